@@ -1,0 +1,72 @@
+"""The numpy backend: host arrays, synchronous staging, zero-copy "upload"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from portable_spec.backend import ArrayInfo, Backend, StagedArrays
+from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+
+from .apply import apply_vocab_mask_numpy, unpack_bitmask
+
+__all__ = ["NumpyBackend", "unpack_bitmask"]
+
+
+class _HostArrays:
+    __slots__ = ("_arrays",)
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self._arrays = arrays
+
+    def resolve(self) -> list[np.ndarray]:
+        return self._arrays
+
+
+class NumpyBackend(Backend):
+    """Host-only backend. ``stage`` is immediate, ``upload`` lends the pooled host buffer
+    itself (no copy): it returns to the pool when the returned array and every view of it
+    are garbage collected, so a later build never overwrites a mask still in use."""
+
+    name = "numpy"
+    framework = "numpy"
+
+    def __init__(self) -> None:
+        self.pool = HostBufferPool()
+
+    def owns(self, obj: Any) -> bool:
+        return isinstance(obj, (np.ndarray, np.generic))
+
+    def array_info(self, array: Any) -> ArrayInfo:
+        dtype = array.dtype
+        return ArrayInfo(array.shape, dtype, dtype.kind in "iu")
+
+    def stage(self, arrays: Sequence[Any]) -> StagedArrays:
+        """Nothing to copy: returns a handle whose ``resolve()`` returns the arrays."""
+        return _HostArrays([np.asarray(a) for a in arrays])
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return np.asarray(array)
+
+    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
+        return self.pool.acquire((rows, words), np.int32)
+
+    def release_host_mask(self, buffer: HostBuffer) -> None:
+        self.pool.release(buffer)
+
+    def upload(self, buffer: HostBuffer, device: Any = None) -> np.ndarray:
+        """Return the mask as a numpy array aliasing the pooled buffer (non-blocking: there is
+        nothing to transfer). ``device`` must be None or ``"cpu"``."""
+        if device not in (None, "cpu"):
+            self.pool.release(buffer)
+            raise ValueError(f"the numpy backend has no device {device!r}")
+        return self.pool.lend(buffer)
+
+    def apply_vocab_mask(self, logits: Any, mask: Any) -> np.ndarray:
+        """In place on ``logits``; returns it. Synchronous."""
+        return apply_vocab_mask_numpy(logits, mask)
+
+    def describe(self) -> str:
+        return f"numpy {np.__version__} (host)"

@@ -1,0 +1,52 @@
+"""``apply_vocab_mask`` for numpy logits (in place)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+__all__ = ["apply_vocab_mask_numpy", "unpack_bitmask"]
+
+
+def unpack_bitmask(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """Boolean ``[rows, vocab]`` view of an int32 ``[rows, words]`` bitmask (True = allowed).
+
+    Columns past ``32 * words`` are reported allowed (the mask does not cover them).
+    """
+    mask = np.ascontiguousarray(mask, dtype=np.int32)
+    if sys.byteorder != "little":
+        mask = mask.byteswap()
+    covered = min(vocab, 32 * mask.shape[-1])
+    bits = np.unpackbits(mask.view(np.uint8), axis=-1, count=covered, bitorder="little")
+    allowed = bits.view(bool)
+    if covered < vocab:
+        pad = np.ones((*allowed.shape[:-1], vocab - covered), dtype=bool)
+        allowed = np.concatenate((allowed, pad), axis=-1)
+    return allowed
+
+
+def apply_vocab_mask_numpy(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Write ``-inf`` into ``logits`` wherever ``mask`` disallows the token; return ``logits``.
+
+    ``logits``: writable floating ``[rows, vocab]`` or ``[vocab]``; ``mask``: integer
+    ``[rows, words]`` or ``[words]``. Synchronous.
+    """
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"mask must be a numpy array for numpy logits, got {type(mask).__name__}")
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
+    if mask.dtype != np.int32:
+        raise TypeError(f"mask must have dtype int32, got {mask.dtype}")
+    logits_2d = logits.reshape(1, -1) if logits.ndim == 1 else logits
+    mask_2d = mask.reshape(1, -1) if mask.ndim == 1 else mask
+    if logits_2d.ndim != 2 or mask_2d.ndim != 2 or logits_2d.shape[0] != mask_2d.shape[0]:
+        raise ValueError(
+            f"logits {logits.shape} and mask {mask.shape} must be [rows, vocab] and "
+            "[rows, words] with the same rows"
+        )
+    vocab = logits_2d.shape[1]
+    covered = min(vocab, 32 * mask_2d.shape[1])
+    allowed = unpack_bitmask(mask_2d, covered)
+    np.copyto(logits_2d[:, :covered], -np.inf, where=~allowed)
+    return logits

@@ -1,0 +1,149 @@
+"""The backend contract: what every array framework provides to the portable core.
+
+A backend is the small piece of framework-specific code between the host mask builder and an
+accelerator. The core calls it at four points of one decoding step, always in this order::
+
+    stage    tree arrays on the device  ->  host copies, started without blocking
+    resolve  wait for that copy only    ->  numpy int64 arrays
+    (the core builds the bitmask into a host buffer the backend lent it)
+    upload   host bitmask               ->  device array, started without blocking
+    apply    logits + device bitmask    ->  logits with disallowed tokens at -inf
+
+Backends never import their framework at module import time unless the framework is already
+the reason the module is imported (the registry only loads a backend whose framework the
+caller has imported, or one the caller asked for by name).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from portable_spec.hostbuffers import HostBuffer
+
+__all__ = ["ArrayInfo", "Backend", "StagedArrays"]
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Metadata of an array, read without touching its data (no device synchronization).
+
+    Attributes:
+        shape: the array's shape.
+        dtype: the framework's dtype object (printed in error messages).
+        is_integer: whether the dtype is a (signed or unsigned) integer type; bool is not.
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+    is_integer: bool
+
+
+class StagedArrays(Protocol):
+    """Host copies of device arrays whose transfer may still be in flight."""
+
+    def resolve(self) -> list[np.ndarray]:
+        """Wait for the transfer (and nothing else) and return the host arrays.
+
+        Blocks until the copies started by :meth:`Backend.stage` have landed. The returned
+        arrays are numpy arrays in the order they were staged, with the staged arrays' shapes
+        and (integer) dtypes; they may be read-only and need not be contiguous.
+        """
+        ...
+
+
+class Backend(ABC):
+    """One array framework's staging, host buffers, upload and apply.
+
+    Subclasses set :attr:`name` (what :func:`portable_spec.get_backend` takes) and
+    :attr:`framework` (the top-level module whose presence in ``sys.modules`` lets
+    :func:`portable_spec.backend_for` consider this backend without importing anything).
+    """
+
+    name: str = ""
+    framework: str = ""
+
+    # -- ownership ---------------------------------------------------------------------------
+    @abstractmethod
+    def owns(self, obj: Any) -> bool:
+        """Whether ``obj`` (an array, or a device/placement object) belongs to this framework.
+
+        Must not import anything and must not synchronize a device.
+        """
+
+    @abstractmethod
+    def array_info(self, array: Any) -> ArrayInfo:
+        """Shape and dtype facts of one of this framework's arrays, without reading its data."""
+
+    def device_of(self, array: Any) -> Any:
+        """Where ``array`` lives, as :meth:`upload` accepts it (``None`` for host arrays).
+
+        A mask built for a tree staged from ``array`` is uploaded there by default.
+        """
+        return None
+
+    # -- stage / resolve -----------------------------------------------------------------------
+    @abstractmethod
+    def stage(self, arrays: Sequence[Any]) -> StagedArrays:
+        """Start copying ``arrays`` to the host without blocking the caller.
+
+        Returns a handle whose ``resolve()`` waits for exactly these copies. Arrays already on
+        the host are wrapped without a copy.
+        """
+
+    def to_host(self, array: Any) -> np.ndarray:
+        """Return a host (numpy) view of an array that already lives in host memory.
+
+        Raises ``TypeError`` when the array lives on an accelerator: host trees must not hide
+        a device synchronization. The default implementation accepts nothing.
+        """
+        raise TypeError(
+            f"{type(array).__name__} from backend {self.name!r} is not a host array; "
+            "use GrammarTree.from_device for arrays on an accelerator"
+        )
+
+    # -- host buffers / upload -------------------------------------------------------------------
+    @abstractmethod
+    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
+        """Lend an int32 host buffer of shape ``[rows, words]`` suited to fast uploads.
+
+        The buffer's contents are undefined. It comes from a pool and is never one that a
+        previous :meth:`upload` may still be reading, or that a previously returned array may
+        still alias. Return it with :meth:`release_host_mask` if it is not uploaded.
+        """
+
+    @abstractmethod
+    def release_host_mask(self, buffer: HostBuffer) -> None:
+        """Give back a buffer from :meth:`acquire_host_mask` that was not uploaded."""
+
+    @abstractmethod
+    def upload(self, buffer: HostBuffer, device: Any = None) -> Any:
+        """Send a filled host mask to ``device`` without blocking; take ownership of ``buffer``.
+
+        Returns this framework's array of shape ``[rows, words]``, dtype int32. The buffer is
+        reused for a later step only once the transfer has completed and no returned array
+        aliases it any more. ``device=None`` means the framework's default placement.
+        """
+
+    # -- apply -----------------------------------------------------------------------------------
+    @abstractmethod
+    def apply_vocab_mask(self, logits: Any, mask: Any) -> Any:
+        """Set ``logits[i, t]`` to ``-inf`` where bit ``t`` of ``mask[i]`` is 0.
+
+        ``logits`` is ``[rows, vocab]`` (or ``[vocab]`` for one row) of a floating dtype;
+        ``mask`` is int32 ``[rows, ceil(vocab / 32)]`` (wider or narrower masks are allowed:
+        columns past ``32 * mask.shape[-1]`` are left as they are). Returns the masked logits;
+        whether that is the same array (in place) or a new one is the backend's to document.
+        """
+
+    # -- capabilities ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """A one-line description for ``portable-spec`` output and test reports."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<portable_spec backend {self.name!r}>"

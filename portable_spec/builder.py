@@ -1,0 +1,295 @@
+"""The shared host mask builder: one bitmask row per verify-tree node, for a whole batch.
+
+Data flow of one build::
+
+    tree.resolve()          host int64 links and tokens (waits for the staged copy only)
+    classify + validate     every check that can fail, before any matcher moves
+    walk requests           on the thread pool: xgrammar C++ traversal, or the Python walk
+    fix xgrammar rows       one vectorized pass over node indices (not over the mask)
+
+The result obeys the row contract documented on :func:`build_host_bitmask`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+import numpy as np
+
+from portable_spec.errors import MatcherError
+from portable_spec.grammars import (
+    GENERIC,
+    NONE,
+    XGRAMMAR,
+    MatcherInfo,
+    classify_grammars,
+    words_for,
+)
+from portable_spec.pool import WorkItemError, run_indexed
+from portable_spec.topology import Topology
+from portable_spec.traverse import walk_generic, walk_xgrammar
+from portable_spec.tree import GrammarTree
+
+__all__ = ["build_host_bitmask", "check_vocab_size"]
+
+ALL_ALLOWED = -1
+# Below this many nodes with a grammar, waking pool workers costs more than it saves.
+PARALLEL_MIN_NODES = 48
+
+_scratch = threading.local()
+
+
+def check_vocab_size(vocab_size: Any) -> int:
+    """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    vocab_size = int(vocab_size)
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return vocab_size
+
+
+def _check_out(out: Any, rows: int, words: int) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy int32 array, got {type(out).__name__}")
+    if out.dtype != np.int32:
+        raise TypeError(f"out must have dtype int32, got {out.dtype}")
+    if out.shape != (rows, words):
+        raise ValueError(
+            f"out must have shape ({rows}, {words}) (batch * nodes, ceil(vocab_size / 32)), "
+            f"got {out.shape}"
+        )
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous (rows are handed to C++ as flat memory)")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    return out
+
+
+def _scratch_rows(nodes: int, words: int) -> np.ndarray:
+    """A per-thread int32 ``[nodes, words]`` buffer for matchers narrower than the mask."""
+    cache: dict[tuple[int, int], np.ndarray] | None = getattr(_scratch, "buffers", None)
+    if cache is None:
+        cache = _scratch.buffers = {}
+    buf = cache.get((nodes, words))
+    if buf is None:
+        if len(cache) > 4:
+            cache.clear()
+        buf = cache[(nodes, words)] = np.empty((nodes, words), dtype=np.int32)
+    return buf
+
+
+def build_host_bitmask(
+    grammars: Sequence[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    *,
+    out: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """Build the grammar bitmask of every node of every request's verify tree, on the host.
+
+    Args:
+        grammars: one entry per request: ``None`` (unconstrained), an
+            ``xgrammar.GrammarMatcher``, or an object following
+            :class:`portable_spec.GrammarMatcherLike`. Each matcher must be in the state after
+            the request's committed tokens (node 0's token included).
+        tree: the batch's verify trees (:class:`portable_spec.GrammarTree`).
+        vocab_size: the model's vocabulary size (the logits' width); at least each matcher's.
+        out: optional C-contiguous int32 ``[batch * nodes, ceil(vocab_size / 32)]`` buffer to
+            write into instead of allocating.
+
+    Returns:
+        ``None`` when the batch is empty or no request has a grammar (``out`` untouched).
+        Otherwise the int32 ``[batch * nodes, ceil(vocab_size / 32)]`` mask (``out`` itself if
+        given). Row ``b * nodes + j`` belongs to node ``j`` of request ``b``; bit ``t % 32`` of
+        word ``t // 32`` set means token ``t`` is allowed. Node 0 is accepted; node ``j > 0`` is
+        accepted iff its parent is accepted and not terminated, ``0 <= token < vocab_size`` and
+        the token's bit is set in the parent's row. An accepted, non-terminated node's row is
+        the grammar's mask after its root path (bits past the grammar's vocabulary are 0).
+        Every other row is all-allowed (-1): unconstrained requests, rejected nodes and their
+        subtrees, terminated nodes, and nodes no link reaches.
+
+    Raises:
+        TypeError, ValueError: malformed tree, grammars, ``vocab_size`` or ``out``; raised
+            before any matcher moves.
+        MatcherError: a matcher raised during its walk (``request_index`` names it; the
+            original exception is chained). Every matcher is back in its starting state.
+
+    Blocks the calling thread until the mask is complete (it waits for the tree's staged copy
+    first). Requests are spread over the library's thread pool (:func:`set_num_threads`).
+    Every matcher ends in the state it started in.
+    """
+    if not isinstance(tree, GrammarTree):
+        raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
+    vocab_size = check_vocab_size(vocab_size)
+    batch, nodes = tree.batch, tree.nodes
+    kinds, infos = classify_grammars(grammars, batch, vocab_size)
+    constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
+    if not constrained:
+        return None
+    words = words_for(vocab_size)
+    rows = batch * nodes
+    mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
+    next_token, next_sibling, draft = tree.resolve()
+    topology = tree.topology()
+
+    root_ok = np.ones(batch, dtype=bool)
+    generic_lists: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    for b in constrained:
+        if kinds[b] == GENERIC:
+            generic_lists[b] = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
+
+    def build_one(b: int) -> None:
+        block = mask[b * nodes : (b + 1) * nodes]
+        kind = kinds[b]
+        if kind == NONE:
+            block.fill(ALL_ALLOWED)
+            return
+        info: MatcherInfo = infos[b]  # type: ignore[assignment]
+        target = block if info.words == words else _scratch_rows(nodes, info.words)
+        if kind == XGRAMMAR:
+            root_ok[b] = walk_xgrammar(
+                grammars[b], next_token[b], next_sibling[b], draft[b], target
+            )
+            if target is not block:
+                block[:, : info.words] = target
+                block[:, info.words :] = 0
+            return
+        nt, ns, dt = generic_lists[b]
+        filled = walk_generic(grammars[b], nt, ns, dt, target, min(vocab_size, info.vocab_size))
+        if target is not block:
+            block[:, : info.words] = target
+            block[:, info.words :] = 0
+        if info.vocab_size % 32:
+            # a foreign matcher may leave bits past its vocabulary set; the contract says 0
+            block[:, info.words - 1] &= np.int32((1 << (info.vocab_size % 32)) - 1)
+        block[~np.asarray(filled)] = ALL_ALLOWED
+
+    parallel = len(constrained) * nodes >= PARALLEL_MIN_NODES
+    try:
+        run_indexed(build_one, batch, parallel=parallel and len(constrained) > 1)
+    except WorkItemError as exc:
+        raise MatcherError(exc.index, exc.error) from exc.error
+
+    xgrammar_requests = [b for b in constrained if kinds[b] == XGRAMMAR]
+    if xgrammar_requests:
+        rewrite = _rewrite_small if topology.small else _rewrite_large
+        rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, xgrammar_requests)
+    return mask
+
+
+# Which xgrammar rows to rewrite follows from node indices alone. xgrammar zeroes the rows of
+# rejected and terminated nodes and leaves unreached rows untouched; a node keeps its row iff
+# every node on its root path passes the local test "token in range, bit set in the parent's
+# row, token not a stop token" (and the matcher was not terminated at the root). Reading the
+# parent's word is only meaningful when the parent kept its row, which is why the test is
+# ANDed down root paths. Cost: one word read per node, never a pass over a row's words.
+
+
+def _rewrite_small(
+    mask: np.ndarray,
+    topology: Topology,
+    draft: np.ndarray,
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    root_ok: np.ndarray,
+    vocab_size: int,
+    requests: list[int],
+) -> None:
+    """List version for small trees: parents come before children in ``topology.orders``."""
+    nodes = topology.nodes
+    words = mask.shape[1]
+    flat = mask.reshape(-1)
+    orders, parents = topology.orders, topology.local_parents
+    assert orders is not None and parents is not None
+    tokens = draft.tolist()
+    rewrite: list[int] = []
+    for b in requests:
+        base = b * nodes
+        keep = [False] * nodes
+        if root_ok[b]:
+            info: MatcherInfo = infos[b]  # type: ignore[assignment]
+            limit = min(vocab_size, info.vocab_size)
+            stops = info.stop_set
+            order, parent, token = orders[b], parents[b], tokens[b]
+            keep[0] = True
+            for i in range(1, len(order)):
+                v = order[i]
+                p = parent[v]
+                if keep[p]:
+                    t = token[v]
+                    if (
+                        0 <= t < limit
+                        and t not in stops
+                        and (int(flat[(base + p) * words + (t >> 5)]) >> (t & 31)) & 1
+                    ):
+                        keep[v] = True
+        rewrite.extend(base + v for v in range(nodes) if not keep[v])
+    if rewrite:
+        mask[rewrite] = ALL_ALLOWED
+
+
+def _rewrite_large(
+    mask: np.ndarray,
+    topology: Topology,
+    draft: np.ndarray,
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    root_ok: np.ndarray,
+    vocab_size: int,
+    requests: list[int],
+) -> None:
+    """Vectorized version: the local test for every node at once, then ANDed down root
+    paths by pointer jumping (``topology.ancestor_jumps``)."""
+    batch, nodes = topology.batch, topology.nodes
+    total = batch * nodes
+    words = mask.shape[1]
+    flat = mask.reshape(-1)
+    tokens = draft.reshape(-1)
+
+    limits = {min(vocab_size, infos[b].vocab_size) for b in requests}  # type: ignore[union-attr]
+    if len(limits) == 1:
+        limit: Any = limits.pop()
+    else:
+        per_request = np.zeros(batch, dtype=np.int64)
+        for b in requests:
+            per_request[b] = min(vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
+        limit = np.repeat(per_request, nodes)
+    in_range = (tokens >= 0) & (tokens < limit)
+    safe_tokens = np.where(in_range, tokens, 0)
+    parent = topology.parent
+    word = flat[np.where(parent >= 0, parent, 0) * words + (safe_tokens >> 5)]
+    keep = np.empty(total + 1, dtype=bool)
+    local = keep[:total]
+    np.not_equal((word >> (safe_tokens & 31)) & 1, 0, out=local)
+    local &= in_range
+    local &= parent >= 0
+
+    stop_groups: dict[frozenset[int], list[int]] = {}
+    for b in requests:
+        stop_groups.setdefault(infos[b].stop_set, []).append(b)  # type: ignore[union-attr]
+    for stop_set, members in stop_groups.items():
+        if not stop_set:
+            continue
+        if len(stop_groups) == 1:
+            node_rows = slice(None)
+        else:
+            node_rows = (np.asarray(members)[:, None] * nodes + np.arange(nodes)).ravel()
+        group_tokens = tokens[node_rows]
+        is_stop = group_tokens == next(iter(stop_set))
+        for stop in list(stop_set)[1:]:
+            is_stop |= group_tokens == stop
+        local[node_rows] &= ~is_stop
+
+    local[::nodes] = root_ok
+    keep[total] = True  # the sentinel every root path ends in
+    for jump in topology.ancestor_jumps or ():
+        keep &= keep[jump]
+
+    is_xgrammar = np.repeat(np.asarray(kinds) == XGRAMMAR, nodes)
+    rewrite = np.flatnonzero(~local & is_xgrammar)
+    if rewrite.size:
+        mask[rewrite] = ALL_ALLOWED
