@@ -1,0 +1,134 @@
+"""Hypothesis-driven generation of verify-tree batches with realistic and hostile drafts."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xgrammar as xgr
+from _oracle import ProtocolMatcher, Request
+from hypothesis import strategies as st
+
+
+@dataclass
+class Case:
+    requests: list[Request | None]
+    matchers: list[Any]
+    next_token: np.ndarray
+    next_sibling: np.ndarray
+    draft: np.ndarray
+    vocab_size: int
+
+
+def allowed_tokens(matcher: Any, words: int, size: int) -> np.ndarray:
+    buf = np.zeros((1, words), dtype=np.int32)
+    matcher.fill_next_token_bitmask(buf, 0)
+    bits = np.unpackbits(buf.view(np.uint8), bitorder="little")[:size]
+    return np.flatnonzero(bits)
+
+
+def draw_case(
+    data: st.DataObject,
+    vocab: Any,
+    *,
+    max_batch: int = 4,
+    max_nodes: int = 24,
+    kinds: tuple[str, ...] = ("json_schema", "ebnf", "regex", "builtin_json"),
+    protocol: bool = True,
+) -> Case:
+    """Draw a batch: per request a grammar (or None) advanced by a valid prefix, a tree of
+    random shape and sibling order with padding nodes, and drafts mixing grammar-valid,
+    off-grammar, EOS and out-of-range tokens. Node ids are randomly permuted."""
+    size, words = vocab.size, vocab.words
+    batch = data.draw(st.integers(1, max_batch), label="batch")
+    nodes = data.draw(st.integers(1, max_nodes), label="nodes")
+    pad = data.draw(st.sampled_from([0, 0, 1, 31, 33, 200]), label="vocab padding")
+    vocab_size = size + pad
+    requests: list[Request | None] = []
+    matchers: list[Any] = []
+    nt = np.full((batch, nodes), -1, dtype=np.int64)
+    ns = np.full((batch, nodes), -1, dtype=np.int64)
+    dt = np.zeros((batch, nodes), dtype=np.int64)
+    for b in range(batch):
+        kind = data.draw(st.sampled_from((None, *kinds)), label="grammar")
+        request = None
+        if kind is not None:
+            request = Request(vocab.grammars[kind])
+            m = request.fresh()
+            for _ in range(data.draw(st.integers(0, 6), label="prefix length")):
+                if m.is_terminated():
+                    break
+                options = allowed_tokens(m, words, size)
+                options = options[options != vocab.eos] if len(options) > 1 else options
+                if len(options) == 0:
+                    break
+                t = int(options[data.draw(st.integers(0, 10**6)) % len(options)])
+                assert m.accept_token(t)
+                request.prefix.append(t)
+            if (
+                data.draw(st.integers(0, 9), label="terminate?") == 0
+                and not m.is_terminated()
+                and m.fork().accept_token(vocab.eos)
+            ):
+                m.accept_token(vocab.eos)
+                request.prefix.append(vocab.eos)
+        requests.append(request)
+        # Tree in creation order (parent created first), then a random relabelling.
+        states: dict[int, Any] = {}
+        if request is not None:
+            states[0] = request.fresh()
+        children: dict[int, list[int]] = {0: []}
+        tokens = [0] * nodes
+        for j in range(1, nodes):
+            if data.draw(st.integers(0, 9), label="padding?") == 0:
+                continue  # no link will reach it
+            parent = data.draw(st.sampled_from(sorted(children)), label="parent")
+            position = data.draw(st.integers(0, len(children[parent])), label="sibling slot")
+            children[parent].insert(position, j)
+            children[j] = []
+            category = data.draw(st.integers(0, 9), label="token category")
+            st_parent = states.get(parent)
+            if category <= 5 and st_parent is not None and not st_parent.is_terminated():
+                options = allowed_tokens(st_parent, words, size)
+                token = (
+                    int(options[data.draw(st.integers(0, 10**6)) % len(options)])
+                    if len(options)
+                    else 0
+                )
+            elif category == 6:
+                token = data.draw(st.integers(0, size - 1))
+            elif category == 7:
+                token = vocab.eos
+            elif category == 8:
+                token = data.draw(
+                    st.sampled_from([-1, -(2**31), size, vocab_size, vocab_size + 5, 2**31 - 1])
+                )
+            else:
+                token = data.draw(st.integers(size, max(size, vocab_size - 1)))
+            tokens[j] = token
+            if st_parent is not None and not st_parent.is_terminated() and 0 <= token < size:
+                fork = st_parent.fork()
+                if fork.accept_token(token):
+                    states[j] = fork
+        relabel = [0, *data.draw(st.permutations(range(1, nodes)), label="relabel")]
+        for u, kids in children.items():
+            for a, c in itertools.pairwise(kids):
+                ns[b, relabel[a]] = relabel[c]
+            if kids:
+                nt[b, relabel[u]] = relabel[kids[0]]
+        for j in range(nodes):
+            dt[b, relabel[j]] = tokens[j]
+        if request is None:
+            matchers.append(None)
+        else:
+            m = request.fresh()
+            if protocol and data.draw(st.booleans(), label="protocol matcher?"):
+                m = ProtocolMatcher(m, vocab_size=size)
+            matchers.append(m)
+    return Case(requests, matchers, nt, ns, dt, vocab_size)
+
+
+def fresh_xgrammar(request: Request) -> xgr.GrammarMatcher:
+    return request.fresh()

@@ -1,0 +1,205 @@
+"""An independent reference for the row contract, and matcher helpers for the tests.
+
+The oracle shares no code with the library: it derives each node's parent with a plain loop
+over the links, and for every node replays the root path on a *fresh* matcher (built from the
+compiled grammar and the request's prefix): no depth-first walk, no rollback, no C++ tree
+traversal. It is slow on purpose and only used on small trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xgrammar as xgr
+
+
+def words(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
+def parents_of(next_token: Sequence[int], next_sibling: Sequence[int]) -> list[int]:
+    """Parent of every node (-1: root or unreachable), by a plain loop over first-child
+    links and their sibling chains (trees are assumed valid)."""
+    n = len(next_token)
+    parent = [-1] * n
+    for u in range(n):
+        c = next_token[u]
+        steps = 0
+        while c != -1 and steps <= n:
+            parent[c] = u
+            c = next_sibling[c]
+            steps += 1
+    # nodes not reachable from the root have no parent
+    reach = [False] * n
+    reach[0] = True
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            if not reach[v] and parent[v] != -1 and reach[parent[v]]:
+                reach[v] = True
+                changed = True
+    return [p if reach[v] else -1 for v, p in enumerate(parent)]
+
+
+def allowed_bit(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+@dataclass
+class Request:
+    """A request's grammar: how to build a fresh matcher in its starting state."""
+
+    compiled: Any
+    prefix: list[int] = field(default_factory=list)
+
+    def fresh(self) -> xgr.GrammarMatcher:
+        m = xgr.GrammarMatcher(self.compiled)
+        for t in self.prefix:
+            if not m.accept_token(t):
+                raise AssertionError(f"prefix token {t} rejected")
+        return m
+
+
+def fill_row(matcher: Any, grammar_words: int, vocab: int) -> np.ndarray:
+    """The matcher's mask, widened/narrowed to the model's ``vocab`` (bits past the
+    grammar's words are 0)."""
+    buf = np.zeros((1, grammar_words), dtype=np.int32)
+    matcher.fill_next_token_bitmask(buf, 0)
+    row = np.zeros(words(vocab), dtype=np.int32)
+    row[:grammar_words] = buf[0]
+    return row
+
+
+def expected_rows(
+    fresh: Callable[[], Any] | None,
+    next_token: Sequence[int],
+    next_sibling: Sequence[int],
+    draft: Sequence[int],
+    vocab: int,
+    grammar_words: int,
+) -> np.ndarray:
+    """Expected ``[nodes, words(vocab)]`` rows of one request by per-node path replay."""
+    n = len(next_token)
+    rows = np.full((n, words(vocab)), -1, dtype=np.int32)
+    if fresh is None:
+        return rows
+    parent = parents_of(next_token, next_sibling)
+    for j in range(n):
+        if j != 0 and parent[j] == -1:
+            continue  # padding: no link reaches it
+        path = []
+        v = j
+        while v != 0:
+            path.append(v)
+            v = parent[v]
+        path.reverse()
+        m = fresh()
+        alive = not m.is_terminated()
+        for v in path:
+            if not alive:
+                break
+            row = fill_row(m, grammar_words, vocab)
+            t = int(draft[v])
+            if not (0 <= t < vocab) or t >= 32 * grammar_words or not allowed_bit(row, t):
+                alive = False
+                break
+            if not m.accept_token(t):
+                raise AssertionError("mask allowed a token the matcher rejected")
+            alive = not m.is_terminated()
+        if alive:
+            rows[j] = fill_row(m, grammar_words, vocab)
+    return rows
+
+
+def expected_mask(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> np.ndarray:
+    """Expected ``[batch * nodes, words(vocab)]`` mask for a batch."""
+    blocks = [
+        expected_rows(
+            None if r is None else r.fresh,
+            next_token[b].tolist(),
+            next_sibling[b].tolist(),
+            draft[b].tolist(),
+            vocab,
+            grammar_words,
+        )
+        for b, r in enumerate(requests)
+    ]
+    return np.concatenate(blocks, axis=0)
+
+
+def matcher_state(matcher: Any, probe_tokens: Sequence[int], grammar_words: int) -> tuple:
+    """A fingerprint of an xgrammar matcher's state: termination, its mask, and which probe
+    tokens it would accept (tested on forks)."""
+    terminated = matcher.is_terminated()
+    if terminated:
+        return (True,)
+    buf = np.zeros((1, grammar_words), dtype=np.int32)
+    matcher.fill_next_token_bitmask(buf, 0)
+    accepts = tuple(matcher.fork().accept_token(int(t)) for t in probe_tokens)
+    return (False, buf.tobytes(), accepts)
+
+
+class ProtocolMatcher:
+    """A pure-Python matcher following the library's protocol, delegating to xgrammar
+    (exercises the iterative Python walk). Records every call and the net depth."""
+
+    def __init__(self, inner: Any, vocab_size: int | None = None) -> None:
+        self.inner = inner
+        self.calls: list[tuple] = []
+        self.depth = 0
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
+
+    def accept_token(self, token_id: int) -> bool:
+        self.calls.append(("accept", token_id))
+        ok = self.inner.accept_token(token_id)
+        if ok:
+            self.depth += 1
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        self.calls.append(("rollback", num_tokens))
+        self.inner.rollback(num_tokens)
+        self.depth -= num_tokens
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> bool:
+        self.calls.append(("fill", index))
+        return self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+
+class FailingMatcher(ProtocolMatcher):
+    """Raises inside ``accept_token`` or ``fill_next_token_bitmask`` on the k-th call."""
+
+    def __init__(self, inner: Any, *, fail_in: str, at_call: int) -> None:
+        super().__init__(inner)
+        self.fail_in = fail_in
+        self.at_call = at_call
+        self.counts = {"accept": 0, "fill": 0}
+
+    def _maybe_fail(self, kind: str) -> None:
+        if kind == self.fail_in:
+            self.counts[kind] += 1
+            if self.counts[kind] == self.at_call:
+                raise RuntimeError(f"injected failure in {kind} #{self.at_call}")
+
+    def accept_token(self, token_id: int) -> bool:
+        self._maybe_fail("accept")
+        return super().accept_token(token_id)
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> bool:
+        self._maybe_fail("fill")
+        return super().fill_next_token_bitmask(bitmask, index)

@@ -1,0 +1,73 @@
+"""Shared fixtures: real and synthetic vocabularies, compiled sample grammars."""
+
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+# JAX on CPU with several devices for the sharding tests (must precede any jax import).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import xgrammar as xgr
+
+from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+from portable_spec.demo.grammars import compile_sample
+
+GRAMMAR_KINDS = ("json_schema", "ebnf", "regex", "builtin_json")
+
+
+@dataclass
+class Vocab:
+    """A tokenizer vocabulary with its xgrammar compiler and compiled sample grammars."""
+
+    name: str
+    size: int  # tokens the grammar knows
+    eos: int
+    compiler: Any
+    grammars: dict[str, Any]
+    tokens: list[str]
+
+    @property
+    def words(self) -> int:
+        return -(-self.size // 32)
+
+
+def _make_vocab(name: str, info: Any, tokens: list[str], eos: int) -> Vocab:
+    compiler = xgr.GrammarCompiler(info)
+    grammars = {kind: compile_sample(compiler, kind) for kind in GRAMMAR_KINDS}
+    return Vocab(name, info.vocab_size, eos, compiler, grammars, tokens)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Vocab:
+    """SmolLM2-135M's GPT-2 byte-level vocabulary (49152 tokens) from the GGUF on disk."""
+    gv = load_vocab()
+    return _make_vocab("smollm2", tokenizer_info(gv), list(gv.tokens), gv.eos_id)
+
+
+@pytest.fixture(scope="session")
+def synthetic() -> Vocab:
+    """A synthetic 150001-token raw vocabulary (not a multiple of 32, larger than any
+    bitmask width the real one exercises)."""
+    rng = np.random.default_rng(7)
+    alphabet = list(string.ascii_letters + string.digits + ' {}[]":,.-_@\n')
+    tokens = ["</s>", "<pad>", *string.printable[:95]]
+    seen = set(tokens)
+    while len(tokens) < 150_001:
+        s = "".join(rng.choice(alphabet, int(rng.integers(2, 9))))
+        if s not in seen:
+            seen.add(s)
+            tokens.append(s)
+    info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=len(tokens), stop_token_ids=[0])
+    return _make_vocab("synthetic", info, tokens, 0)
+
+
+@pytest.fixture(params=["smollm2", "synthetic"])
+def vocab(request: pytest.FixtureRequest) -> Vocab:
+    return request.getfixturevalue(request.param)
