@@ -71,3 +71,52 @@ def synthetic() -> Vocab:
 @pytest.fixture(params=["smollm2", "synthetic"])
 def vocab(request: pytest.FixtureRequest) -> Vocab:
     return request.getfixturevalue(request.param)
+
+
+# -- the cross-backend matrix ------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from _targets import TARGETS
+
+    names = sorted({t.name for t in TARGETS} | {t.backend for t in TARGETS} | {"torch"})
+    parser.addoption(
+        "--backend",
+        action="append",
+        default=[],
+        choices=names,
+        help="run the backend matrix only on these targets (a backend name such as `jax` "
+        "selects all its targets; repeatable). Default: every available target.",
+    )
+
+
+def _selected_targets(config: pytest.Config) -> list:
+    from _targets import TARGETS
+
+    wanted = {"cuda" if w == "torch" else w for w in config.getoption("backend")}
+    if not wanted:
+        return TARGETS
+    return [t for t in TARGETS if t.name in wanted or t.backend in wanted]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "target" in metafunc.fixturenames:
+        targets = _selected_targets(metafunc.config)
+        metafunc.parametrize("target", targets, ids=[t.name for t in targets], indirect=True)
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest):
+    t = request.param
+    reason = t.skip_reason()
+    if reason:
+        pytest.skip(f"{t.name}: {reason}")
+    return t
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = []
+    for t in _selected_targets(config):
+        reason = t.skip_reason()
+        lines.append(f"  {t.name:20s} {'ran' if reason is None else 'skipped: ' + reason}")
+    terminalreporter.write_sep("-", "backend matrix")
+    for line in lines:
+        terminalreporter.write_line(line)

@@ -38,5 +38,10 @@ def apply_vocab_mask_torch(logits: torch.Tensor, mask: torch.Tensor) -> torch.Te
         )
     covered = min(logits.shape[-1], 32 * mask.shape[-1])
     backend = "auto" if logits.dtype in _KERNEL_DTYPES else "torch_native"
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=covered, backend=backend)
+    # xgrammar 0.2.9's CPU kernel reads both tensors as if they were contiguous (it ignores
+    # the strides it is given), so strided inputs go through contiguous copies.
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    xgr.apply_token_bitmask_inplace(work, mask.contiguous(), vocab_size=covered, backend=backend)
+    if work is not logits:
+        logits.copy_(work)
     return logits

@@ -40,7 +40,7 @@ def apply_vocab_mask_jax(logits: jax.Array, mask: jax.Array) -> jax.Array:
     per_token = jnp.broadcast_to(mask_2d[:, :used_words, None], (rows, used_words, 32)).reshape(
         rows, used_words * 32
     )[:, :covered]
-    shift = jnp.arange(covered, dtype=jnp.int32) & 31
+    shift = jnp.broadcast_to(jnp.arange(covered, dtype=jnp.int32) & 31, (rows, covered))
     allowed = (jax.lax.shift_right_logical(per_token, shift) & 1).astype(jnp.bool_)
     if covered < vocab:
         allowed = jnp.concatenate(

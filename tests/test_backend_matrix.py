@@ -1,0 +1,197 @@
+"""One suite, every backend: same inputs, same oracle, bit-identical masks and logits.
+
+Targets (see ``_targets.py``): numpy, torch CPU, torch CUDA, JAX CPU on one device, JAX CPU
+with 8 devices (batch-sharded and replicated trees), JAX GPU/TPU. ``pytest --backend=jax``
+runs only the JAX targets; the summary at the end says which targets ran or why they were
+skipped.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xgrammar as xgr
+from _oracle import Request, expected_mask
+
+import portable_spec as ps
+
+BATCH, NODES = 8, 6  # batch divisible by the 8 CPU devices of the sharded targets
+
+
+@pytest.fixture
+def batch_case(smollm2):
+    """Eight requests (four grammars, an unconstrained one, one padded tree), EAGLE-like trees
+    with real tokens: accepted, rejected, EOS, negative and too-large ids."""
+    rng = np.random.default_rng(11)
+    kinds = ["json_schema", "ebnf", "regex", "builtin_json", None, "json_schema", "ebnf", "regex"]
+    requests = [None if k is None else Request(smollm2.grammars[k]) for k in kinds]
+    nt = np.full((BATCH, NODES), -1, np.int64)
+    ns = np.full((BATCH, NODES), -1, np.int64)
+    dt = np.zeros((BATCH, NODES), np.int64)
+    for b, request in enumerate(requests):
+        # root -> 1, 2 (siblings); 1 -> 3 -> 4; 2 -> 5 (node 5 left as padding in request 7)
+        nt[b, [0, 1, 3, 2]] = [1, 3, 4, 5]
+        ns[b, 1] = 2
+        m = request.fresh() if request else None
+        options = []
+        if m is not None:
+            buf = np.zeros((1, smollm2.words), np.int32)
+            m.fill_next_token_bitmask(buf, 0)
+            options = np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little"))
+        first = int(rng.choice(options)) if len(options) else 7
+        dt[b, 1] = first
+        dt[b, 2] = [smollm2.eos, -4, 2**31 - 1, int(rng.integers(0, smollm2.size))][b % 4]
+        if m is not None and m.accept_token(first):
+            m.fill_next_token_bitmask(buf, 0)
+            options = np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little"))
+            if len(options):
+                dt[b, 3] = int(rng.choice(options))
+                dt[b, 4] = int(rng.choice(options))
+        dt[b, 5] = int(rng.integers(0, smollm2.size))
+    nt[7, 2] = -1  # node 5 of request 7 becomes unreachable padding
+    want = expected_mask(requests, nt, ns, dt, smollm2.size, smollm2.words)
+    return requests, nt, ns, dt, want
+
+
+def _matchers(requests):
+    return [None if r is None else r.fresh() for r in requests]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_stage_and_resolve(target, batch_case, dtype):
+    _, nt, ns, dt, _ = batch_case
+    tree = ps.GrammarTree.from_device(*(target.put(a.astype(dtype)) for a in (nt, ns, dt)))
+    assert tree.backend.name == target.backend
+    got = tree.resolve()
+    for a, b in zip(got, (nt, ns, dt), strict=True):
+        assert a.dtype == np.int64 and a.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)
+    assert tree.resolve() is got  # cached, no second wait
+
+
+def test_mask_bits(target, batch_case, smollm2):
+    requests, nt, ns, dt, want = batch_case
+    tree = ps.GrammarTree.from_device(*(target.put(a) for a in (nt, ns, dt)))
+    mask = ps.build_grammar_vocab_mask(
+        _matchers(requests), tree, smollm2.size, device=target.device()
+    )
+    assert ps.backend_for(mask).name == target.backend
+    target.check_placement(mask)
+    host = target.get(mask)
+    assert host.dtype == np.int32
+    np.testing.assert_array_equal(host, want)
+
+
+def test_linear_chain_from_device(target, batch_case, smollm2):
+    requests, _, _, dt, _ = batch_case
+    tree = ps.GrammarTree.from_linear_chain(target.put(dt))
+    chain_nt = np.tile(np.append(np.arange(1, NODES), -1), (BATCH, 1))
+    chain_ns = np.full((BATCH, NODES), -1)
+    want = expected_mask(requests, chain_nt, chain_ns, dt, smollm2.size, smollm2.words)
+    mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
+    np.testing.assert_array_equal(target.get(mask), want)
+
+
+def test_row_capacity(target, batch_case, smollm2):
+    requests, nt, ns, dt, want = batch_case
+    tree = ps.GrammarTree.from_device(*(target.put(a) for a in (nt, ns, dt)))
+    mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size, row_capacity=64)
+    host = target.get(mask)
+    assert host.shape == (64, smollm2.words)
+    np.testing.assert_array_equal(host[:48], want)
+    assert (host[48:] == -1).all()
+
+
+def _reference_masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    out = logits.astype(np.float64)
+    covered = min(out.shape[1], 32 * mask.shape[1])
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :covered]
+    out[:, :covered][bits == 0] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("vocab", [49152, 49155, 100])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_masked_logits(target, batch_case, smollm2, vocab, dtype):
+    """Kept logits are bit-identical, dropped ones -inf, columns past the mask untouched."""
+    if dtype not in target.float_dtypes:
+        pytest.skip(f"{target.name} does not run {dtype} logits")
+    requests, nt, ns, dt, want = batch_case
+    rng = np.random.default_rng(vocab)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    logits = (rng.standard_normal((BATCH * NODES, vocab)) * 3).astype(np_dtype)
+    mask_np = want[:, : -(-vocab // 32)] if vocab < 32 * smollm2.words else want
+    tree = ps.GrammarTree.from_device(*(target.put(a) for a in (nt, ns, dt)))
+    mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
+    if vocab < 32 * smollm2.words:
+        mask = target.put(mask_np)  # a mask as wide as these (narrow) logits
+    masked = target.get(ps.apply_vocab_mask(target.put(logits), mask))
+    reference = _reference_masked(logits, mask_np)
+    assert masked.dtype == logits.dtype
+    np.testing.assert_array_equal(masked.astype(np.float64), reference)
+
+
+def test_mixed_host_and_device_inputs(target, batch_case, smollm2):
+    """Some arrays on the host (as engines that synthesize part of the tree there do)."""
+    requests, nt, ns, dt, want = batch_case
+    tree = ps.GrammarTree.from_device(nt, target.put(ns), target.put(dt))
+    assert tree.backend.name == target.backend
+    mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
+    np.testing.assert_array_equal(target.get(mask), want)
+
+
+def test_masks_survive_later_steps(target, smollm2):
+    """Build and upload many steps; every earlier device mask is checked afterwards against
+    its own oracle (no step's mask changed by a later one: pinned-buffer reuse, JAX aliasing
+    of host memory, pooled numpy buffers)."""
+    rng = np.random.default_rng(2)
+    compiled = smollm2.grammars["builtin_json"]
+    opening = [smollm2.tokens.index(t) for t in ("{", "[", '"', "1", "Ġ")]
+    kept = []
+    for step in range(12):
+        dt = rng.choice(opening, size=(BATCH, NODES))
+        dt[:, 0] = 0
+        requests = [Request(compiled) for _ in range(BATCH)]
+        tree = ps.GrammarTree.from_linear_chain(target.put(dt))
+        mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
+        want = expected_mask(requests, *tree.resolve(), smollm2.size, smollm2.words)
+        kept.append((mask, want))
+        if step % 3 == 0:
+            kept.pop(0)  # some masks die, so their buffers are reused by later steps
+    for mask, want in kept:
+        np.testing.assert_array_equal(target.get(mask), want)
+
+
+def test_bad_mask_for_logits(target):
+    logits = target.put(np.zeros((8, 64), np.float32))
+    with pytest.raises(ValueError, match="same rows"):
+        ps.apply_vocab_mask(logits, target.put(np.zeros((16, 2), np.int32)))
+    with pytest.raises(TypeError, match="int32"):
+        ps.apply_vocab_mask(logits, target.put(np.zeros((8, 2), np.float32)))
+
+
+def test_every_target_agrees(batch_case, smollm2, request):
+    """The same batch through every available target gives one and the same mask."""
+    from _targets import TARGETS
+
+    requests, nt, ns, dt, want = batch_case
+    results = {}
+    for t in TARGETS:
+        if t.skip_reason():
+            continue
+        tree = ps.GrammarTree.from_device(*(t.put(a) for a in (nt, ns, dt)))
+        results[t.name] = t.get(
+            ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
+        )
+    assert len(results) >= 3
+    for name, got in results.items():
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_xgrammar_matchers_only_once_per_request(batch_case, smollm2):
+    """Sanity: the oracle's requests compile real grammars (guards the fixture itself)."""
+    requests, *_, want = batch_case
+    assert sum(r is not None for r in requests) == 7
+    assert (want != -1).any(axis=1).sum() >= 10
+    assert isinstance(requests[0].fresh(), xgr.GrammarMatcher)
