@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (first run only) and run the end-to-end demo; extra arguments go to `portable-spec demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+exec .venv/bin/portable-spec demo "$@"
