@@ -13,7 +13,8 @@ The result obeys the row contract documented on :func:`build_host_bitmask`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from numbers import Integral
 from typing import Any
 
@@ -28,7 +29,8 @@ from portable_spec.grammars import (
     classify_grammars,
     words_for,
 )
-from portable_spec.pool import WorkItemError, run_indexed
+from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
+from portable_spec.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.topology import Topology
 from portable_spec.traverse import walk_generic, walk_xgrammar
 from portable_spec.tree import GrammarTree
@@ -38,6 +40,10 @@ __all__ = ["build_host_bitmask", "check_vocab_size"]
 ALL_ALLOWED = -1
 # Below this many nodes with a grammar, waking pool workers costs more than it saves.
 PARALLEL_MIN_NODES = 48
+# With fewer requests than threads, trees of at least this many nodes are cut into subtrees
+# of at least SPLIT_MIN_PART nodes walked in parallel on forks of the matcher.
+SPLIT_MIN_NODES = 16
+SPLIT_MIN_PART = 4
 
 _scratch = threading.local()
 
@@ -137,48 +143,138 @@ def build_host_bitmask(
     topology = tree.topology()
 
     root_ok = np.ones(batch, dtype=bool)
-    generic_lists: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for b in constrained:
-        if kinds[b] == GENERIC:
-            generic_lists[b] = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
-
-    def build_one(b: int) -> None:
+    splits = _plan_splits(kinds, constrained, nodes, next_token, next_sibling, draft, grammars)
+    jobs: list[Callable[[], None]] = []
+    owners: list[int] = []  # the request each job belongs to (for MatcherError)
+    for b in range(batch):
         block = mask[b * nodes : (b + 1) * nodes]
         kind = kinds[b]
         if kind == NONE:
-            block.fill(ALL_ALLOWED)
-            return
+            jobs.append(partial(block.fill, ALL_ALLOWED))
+            owners.append(b)
+            continue
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        target = block if info.words == words else _scratch_rows(nodes, info.words)
-        if kind == XGRAMMAR:
-            root_ok[b] = walk_xgrammar(
-                grammars[b], next_token[b], next_sibling[b], draft[b], target
-            )
-            if target is not block:
-                block[:, : info.words] = target
-                block[:, info.words :] = 0
-            return
-        nt, ns, dt = generic_lists[b]
-        filled = walk_generic(grammars[b], nt, ns, dt, target, min(vocab_size, info.vocab_size))
-        if target is not block:
-            block[:, : info.words] = target
-            block[:, info.words :] = 0
-        if info.vocab_size % 32:
-            # a foreign matcher may leave bits past its vocabulary set; the contract says 0
-            block[:, info.words - 1] &= np.int32((1 << (info.vocab_size % 32)) - 1)
-        block[~np.asarray(filled)] = ALL_ALLOWED
+        if kind == GENERIC:
+            lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
+            limit = min(vocab_size, info.vocab_size)
+            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit))
+            owners.append(b)
+            continue
+        split = splits.get(b)
+        if split is None:
+            links = (next_token[b], next_sibling[b], draft[b])
+            jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None))
+            owners.append(b)
+            continue
+        plan, forks = split
+        limit = min(vocab_size, info.vocab_size)
+        for sub, fork in zip(plan.subtrees, forks, strict=True):
+            jobs.append(partial(_subtree_job, fork, sub, block, info, limit))
+            owners.append(b)
+        links = (plan.next_token, plan.next_sibling, draft[b])
+        job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, plan.main_rows)
+        jobs.append(job)
+        owners.append(b)
 
-    parallel = len(constrained) * nodes >= PARALLEL_MIN_NODES
+    parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
     try:
-        run_indexed(build_one, batch, parallel=parallel and len(constrained) > 1)
+        run_indexed(lambda i: jobs[i](), len(jobs), parallel=parallel and len(jobs) > 1)
     except WorkItemError as exc:
-        raise MatcherError(exc.index, exc.error) from exc.error
+        raise MatcherError(owners[exc.index], exc.error) from exc.error
 
     xgrammar_requests = [b for b in constrained if kinds[b] == XGRAMMAR]
     if xgrammar_requests:
         rewrite = _rewrite_small if topology.small else _rewrite_large
         rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, xgrammar_requests)
     return mask
+
+
+def _copy_rows(block: np.ndarray, target: np.ndarray, words: int, rows: list[int] | None) -> None:
+    """Copy a narrower matcher's rows into the mask (zeros past its width)."""
+    if rows is None:
+        block[:, :words] = target
+        block[:, words:] = 0
+    else:
+        block[rows, :words] = target[rows]
+        block[rows, words:] = 0
+
+
+def _xgrammar_job(
+    matcher: Any,
+    links: tuple[np.ndarray, np.ndarray, np.ndarray],
+    block: np.ndarray,
+    info: MatcherInfo,
+    root_ok: np.ndarray,
+    b: int,
+    owned_rows: list[int] | None,
+) -> None:
+    """Walk one request (or, with ``owned_rows``, the part of it left after cutting
+    subtrees out) with xgrammar's C++ traversal."""
+    nodes, words = block.shape
+    target = block if info.words == words else _scratch_rows(nodes, info.words)
+    root_ok[b] = walk_xgrammar(matcher, *links, target)
+    if target is not block:
+        _copy_rows(block, target, info.words, owned_rows)
+
+
+def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:
+    """Walk a subtree cut out of a request on a fork of its matcher; write its rows."""
+    k = len(sub.nodes)
+    scratch = _scratch_rows(k, info.words)
+    if walk_subtree(fork, sub, scratch, limit):
+        block[sub.nodes, : info.words] = scratch
+        if info.words < block.shape[1]:
+            block[sub.nodes, info.words :] = 0
+
+
+def _generic_job(
+    matcher: Any,
+    lists: tuple[list[int], list[int], list[int]],
+    block: np.ndarray,
+    info: MatcherInfo,
+    limit: int,
+) -> None:
+    """Walk one request with the iterative Python walk; rows it does not fill become -1."""
+    nodes, words = block.shape
+    target = block if info.words == words else _scratch_rows(nodes, info.words)
+    filled = walk_generic(matcher, *lists, target, limit)
+    if target is not block:
+        _copy_rows(block, target, info.words, None)
+    if info.vocab_size % 32:
+        # a foreign matcher may leave bits past its vocabulary set; the contract says 0
+        block[:, info.words - 1] &= np.int32((1 << (info.vocab_size % 32)) - 1)
+    block[~np.asarray(filled)] = ALL_ALLOWED
+
+
+def _plan_splits(
+    kinds: list[int],
+    constrained: list[int],
+    nodes: int,
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    grammars: Sequence[Any],
+) -> dict[int, tuple[Split, list[Any]]]:
+    """Cut large xgrammar trees into subtrees when there are fewer requests than threads.
+
+    Each request gets about ``2 * threads / requests`` pieces (more pieces than threads, so
+    the pool's dynamic scheduling evens out pieces whose drafts the grammar accepts more
+    often). Returns, per split request, the split and one fork of the matcher per subtree,
+    taken now, before any walk moves the matcher.
+    """
+    threads = get_num_threads()
+    if threads < 2 or len(constrained) >= threads or nodes < SPLIT_MIN_NODES:
+        return {}
+    parts = 2 * threads // len(constrained)
+    plans = {}
+    for b in constrained:
+        if kinds[b] != XGRAMMAR:
+            continue
+        nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
+        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART)
+        if split is not None:
+            plans[b] = (split, [grammars[b].fork() for _ in split.subtrees])
+    return plans
 
 
 # Which xgrammar rows to rewrite follows from node indices alone. xgrammar zeroes the rows of

@@ -100,6 +100,13 @@ class Topology:
             self._reachable = reachable
         return self._reachable
 
+    def request_parents(self, b: int) -> list[int]:
+        """Local parent of each node of request ``b`` (-1: root or unreachable)."""
+        if self.local_parents is not None:
+            return self.local_parents[b]
+        rows = self.parent[b * self.nodes : (b + 1) * self.nodes]
+        return np.where(rows >= 0, rows - b * self.nodes, -1).tolist()
+
     def __repr__(self) -> str:
         form = "lists" if self.small else "arrays"
         return f"Topology(batch={self.batch}, nodes={self.nodes}, {form})"
