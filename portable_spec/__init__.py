@@ -21,6 +21,12 @@ from portable_spec.grammars import GrammarMatcherLike
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 from portable_spec.pool import get_num_threads, set_num_threads
 from portable_spec.registry import available_backends, backend_for, get_backend, register_backend
+from portable_spec.stats import (
+    get_slow_grammar_threshold,
+    grammar_stats,
+    reset_grammar_stats,
+    set_slow_grammar_threshold,
+)
 from portable_spec.tree import GrammarTree
 
 __version__ = "0.1.0"
@@ -41,6 +47,10 @@ __all__ = [
     "build_host_bitmask",
     "get_backend",
     "get_num_threads",
+    "get_slow_grammar_threshold",
+    "grammar_stats",
     "register_backend",
+    "reset_grammar_stats",
     "set_num_threads",
+    "set_slow_grammar_threshold",
 ]

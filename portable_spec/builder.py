@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from numbers import Integral
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from portable_spec.grammars import (
 )
 from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
 from portable_spec.split import Split, Subtree, plan_split, walk_subtree
+from portable_spec.stats import record_build
 from portable_spec.topology import Topology
 from portable_spec.traverse import walk_generic, walk_xgrammar
 from portable_spec.tree import GrammarTree
@@ -176,11 +178,25 @@ def build_host_bitmask(
         jobs.append(job)
         owners.append(b)
 
+    seconds = [0.0] * len(jobs)
+
+    def run_job(i: int) -> None:
+        start = perf_counter()
+        try:
+            jobs[i]()
+        finally:
+            seconds[i] = perf_counter() - start
+
     parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
     try:
-        run_indexed(lambda i: jobs[i](), len(jobs), parallel=parallel and len(jobs) > 1)
+        run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
     except WorkItemError as exc:
         raise MatcherError(owners[exc.index], exc.error) from exc.error
+    per_request = dict.fromkeys(constrained, 0.0)
+    for owner, spent in zip(owners, seconds, strict=True):
+        if owner in per_request:
+            per_request[owner] += spent
+    record_build(per_request.items(), rows)
 
     xgrammar_requests = [b for b in constrained if kinds[b] == XGRAMMAR]
     if xgrammar_requests:

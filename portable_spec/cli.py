@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "demo": ("portable_spec.demo.cli", "grammar-constrained speculative decoding with SmolLM2"),
     "bench": ("portable_spec.bench", "side-by-side performance of the mask build, staging, apply"),
     "masks": ("portable_spec.masks_cli", "build masks for a sample batch and print what happened"),
+    "soak": ("portable_spec.soak", "long build+upload run checking that memory stays flat"),
 }
 
 

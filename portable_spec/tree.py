@@ -128,16 +128,20 @@ class GrammarTree:
             retrieve_next_sibling: ``[batch, nodes]`` next sibling of each node, or -1.
             draft_tokens: ``[batch, nodes]`` token id at each node.
 
-        Each array may come from any registered framework (torch, JAX, numpy); arrays already
-        on the host are used as they are, so mixed inputs work. For torch CUDA tensors the
-        copy goes into pinned memory on the current stream and an event is recorded; for JAX
-        arrays ``copy_to_host_async`` is started. Only shapes and dtypes are checked here
-        (no synchronization); links are validated when the mask is built.
+        Each array may come from any registered framework (torch, JAX, numpy; lists are taken
+        as host data); arrays already on the host are used as they are, so mixed inputs work.
+        For torch CUDA tensors the copy goes into pinned memory on the current stream and an
+        event is recorded; for JAX arrays ``copy_to_host_async`` is started. Only shapes and
+        dtypes are checked here (no synchronization); links are validated when the mask is
+        built.
 
         Returns:
             A tree whose :meth:`resolve` waits only for these copies.
         """
-        arrays = (retrieve_next_token, retrieve_next_sibling, draft_tokens)
+        arrays = tuple(
+            _host_array(a) if isinstance(a, (list, tuple)) else a
+            for a in (retrieve_next_token, retrieve_next_sibling, draft_tokens)
+        )
         backends = [backend_for(a) for a in arrays]
         infos = [_info(n, a, b) for n, a, b in zip(_NAMES, arrays, backends, strict=True)]
         batch, nodes = _check_shapes(infos, _NAMES)

@@ -1,0 +1,117 @@
+"""Build counters and the slow-grammar warning.
+
+Every build records how long each request's walk took. A request slower than the threshold
+is logged on the ``portable_spec`` logger (WARNING) with its index and time, and counted, so
+an engine can alert on grammars that make its step time explode (deep recursion in a JSON
+schema, huge alternations). Counters are process-wide and thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+
+__all__ = [
+    "get_slow_grammar_threshold",
+    "grammar_stats",
+    "reset_grammar_stats",
+    "set_slow_grammar_threshold",
+]
+
+logger = logging.getLogger("portable_spec")
+
+_lock = threading.Lock()
+_COUNTERS = ("builds", "requests", "rows", "slow_requests")
+_counters: dict[str, float] = {}
+_threshold: float | None = None
+
+
+def _default_threshold() -> float | None:
+    value = os.environ.get("PORTABLE_SPEC_SLOW_GRAMMAR_MS")
+    if value is None:
+        return 0.1
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(
+            f"PORTABLE_SPEC_SLOW_GRAMMAR_MS must be a number of milliseconds, got {value!r}"
+        ) from None
+    return None if ms <= 0 else ms / 1e3
+
+
+def reset_grammar_stats() -> None:
+    """Zero every counter."""
+    with _lock:
+        _counters.clear()
+        _counters.update(dict.fromkeys(_COUNTERS, 0))
+        _counters.update(build_seconds=0.0, slowest_seconds=0.0, last_slow_seconds=0.0)
+        _counters["last_slow_request"] = -1
+
+
+def grammar_stats() -> dict[str, float]:
+    """A snapshot of the counters since start (or the last reset).
+
+    Keys: ``builds`` (calls that built a mask), ``requests`` (constrained requests walked),
+    ``rows`` (mask rows produced), ``slow_requests`` (walks over the threshold),
+    ``build_seconds`` (summed walk time of all requests), ``slowest_seconds`` (the slowest
+    single walk), ``last_slow_request`` / ``last_slow_seconds`` (the latest slow walk's index
+    in its batch and time; -1 / 0.0 when none).
+    """
+    with _lock:
+        return dict(_counters)
+
+
+def set_slow_grammar_threshold(seconds: float | None) -> None:
+    """Warn about requests whose walk takes longer than ``seconds`` (None disables).
+
+    The default is 0.1 s, or ``$PORTABLE_SPEC_SLOW_GRAMMAR_MS`` milliseconds when set (0 or
+    less disables).
+    """
+    global _threshold
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
+    ):
+        raise ValueError(f"threshold must be a positive number of seconds or None, got {seconds!r}")
+    _threshold = seconds
+
+
+def get_slow_grammar_threshold() -> float | None:
+    """The current threshold in seconds (None: disabled)."""
+    return _threshold
+
+
+def record_build(walks: Iterable[tuple[int, float]], rows: int) -> None:
+    """Account one build: ``walks`` holds ``(request index, seconds)`` per constrained request."""
+    threshold = _threshold
+    slow = []
+    total = 0.0
+    slowest = 0.0
+    count = 0
+    for index, seconds in walks:
+        count += 1
+        total += seconds
+        slowest = max(slowest, seconds)
+        if threshold is not None and seconds > threshold:
+            slow.append((index, seconds))
+    with _lock:
+        _counters["builds"] += 1
+        _counters["requests"] += count
+        _counters["rows"] += rows
+        _counters["build_seconds"] += total
+        _counters["slowest_seconds"] = max(_counters["slowest_seconds"], slowest)
+        _counters["slow_requests"] += len(slow)
+        if slow:
+            _counters["last_slow_request"], _counters["last_slow_seconds"] = slow[-1]
+    for index, seconds in slow:
+        logger.warning(
+            "grammar of request %d took %.1f ms to walk its draft tree (threshold %.1f ms)",
+            index,
+            seconds * 1e3,
+            threshold * 1e3,  # type: ignore[operator]
+        )
+
+
+reset_grammar_stats()
+_threshold = _default_threshold()

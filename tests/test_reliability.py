@@ -1,0 +1,121 @@
+"""Slow-grammar warnings and counters, clean shutdown, and a bounded soak run."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+from _oracle import ProtocolMatcher
+
+import portable_spec as ps
+
+
+class SlowMatcher(ProtocolMatcher):
+    """A protocol matcher whose fills take ``delay`` seconds."""
+
+    def __init__(self, inner, delay):
+        super().__init__(inner)
+        self.delay = delay
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        time.sleep(self.delay)
+        return super().fill_next_token_bitmask(bitmask, index)
+
+
+@pytest.fixture
+def fresh_stats():
+    ps.reset_grammar_stats()
+    old = ps.get_slow_grammar_threshold()
+    yield
+    ps.set_slow_grammar_threshold(old)
+    ps.reset_grammar_stats()
+
+
+def test_slow_request_is_logged_and_counted(smollm2, fresh_stats, caplog):
+    compiled = smollm2.grammars["regex"]
+    ps.set_slow_grammar_threshold(0.05)
+    fast = xgr.GrammarMatcher(compiled)
+    slow = SlowMatcher(xgr.GrammarMatcher(compiled), 0.08)
+    tree = ps.GrammarTree.from_linear_chain(np.zeros((3, 2), dtype=np.int64))
+    with caplog.at_level(logging.WARNING, logger="portable_spec"):
+        ps.build_host_bitmask([fast, None, slow], tree, smollm2.size)
+    messages = [r.getMessage() for r in caplog.records if r.name == "portable_spec"]
+    assert len(messages) == 1
+    assert messages[0].startswith("grammar of request 2 took ")
+    assert "(threshold 50.0 ms)" in messages[0]
+    stats = ps.grammar_stats()
+    assert stats["builds"] == 1 and stats["requests"] == 2 and stats["rows"] == 6
+    assert stats["slow_requests"] == 1 and stats["last_slow_request"] == 2
+    assert stats["last_slow_seconds"] >= 0.08 and stats["slowest_seconds"] >= 0.08
+    ps.set_slow_grammar_threshold(None)
+    with caplog.at_level(logging.WARNING, logger="portable_spec"):
+        ps.build_host_bitmask([fast, None, slow], tree, smollm2.size)
+    assert len([r for r in caplog.records if r.name == "portable_spec"]) == 1  # none added
+    assert ps.grammar_stats()["builds"] == 2
+
+
+def test_threshold_validation(fresh_stats, monkeypatch):
+    for bad in (0, -1, "1", True):
+        with pytest.raises(ValueError, match="threshold must be a positive number"):
+            ps.set_slow_grammar_threshold(bad)
+    from portable_spec import stats
+
+    monkeypatch.setenv("PORTABLE_SPEC_SLOW_GRAMMAR_MS", "250")
+    assert stats._default_threshold() == 0.25
+    monkeypatch.setenv("PORTABLE_SPEC_SLOW_GRAMMAR_MS", "0")
+    assert stats._default_threshold() is None
+    monkeypatch.setenv("PORTABLE_SPEC_SLOW_GRAMMAR_MS", "soon")
+    with pytest.raises(ValueError, match="PORTABLE_SPEC_SLOW_GRAMMAR_MS"):
+        stats._default_threshold()
+
+
+def test_interpreter_exits_promptly_with_a_busy_pool():
+    """Worker threads never keep the process alive, mid-build or idle."""
+    code = textwrap.dedent(
+        """
+        import threading, numpy as np, portable_spec as ps
+        import portable_spec.builder as b
+        b.PARALLEL_MIN_NODES = 0
+        ps.set_num_threads(4)
+
+        class M:
+            def accept_token(self, t): return True
+            def rollback(self, n): pass
+            def fill_next_token_bitmask(self, bitmask, index): bitmask[index] = -1
+            def is_terminated(self): return False
+
+        tree = ps.GrammarTree.from_linear_chain(np.zeros((8, 4), dtype=np.int64))
+        for _ in range(20):
+            ps.build_host_bitmask([M() for _ in range(8)], tree, 64)
+        threading.Thread(
+            target=lambda: [ps.build_host_bitmask([M() for _ in range(8)], tree, 64)
+                            for _ in range(10**6)],
+            daemon=True,
+        ).start()
+        print("done")
+        """
+    )
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cuda", "jax"])
+def test_bounded_soak(backend):
+    """A CI-sized soak (the full one is `portable-spec soak --steps 20000`)."""
+    from portable_spec.soak import run_soak
+
+    result = run_soak(1200, backend, max_batch=8, nodes=12, check_every=100, sample_every=100)
+    growth = result["growth"]
+    assert result["checks"] >= 10
+    assert growth["threads"] == 0 and growth["pool_workers"] == 0
+    assert growth["rss_mb"] < 16
+    assert growth["host_buffer_mb"] <= 1
