@@ -145,7 +145,7 @@ def build_host_bitmask(
     topology = tree.topology()
 
     root_ok = np.ones(batch, dtype=bool)
-    splits = _plan_splits(kinds, constrained, nodes, next_token, next_sibling, draft, grammars)
+    splits = _plan_splits(kinds, constrained, topology, next_token, next_sibling, draft, grammars)
     jobs: list[Callable[[], None]] = []
     owners: list[int] = []  # the request each job belongs to (for MatcherError)
     for b in range(batch):
@@ -265,7 +265,7 @@ def _generic_job(
 def _plan_splits(
     kinds: list[int],
     constrained: list[int],
-    nodes: int,
+    topology: Topology,
     next_token: np.ndarray,
     next_sibling: np.ndarray,
     draft: np.ndarray,
@@ -279,7 +279,7 @@ def _plan_splits(
     taken now, before any walk moves the matcher.
     """
     threads = get_num_threads()
-    if threads < 2 or len(constrained) >= threads or nodes < SPLIT_MIN_NODES:
+    if threads < 2 or len(constrained) >= threads or topology.nodes < SPLIT_MIN_NODES:
         return {}
     parts = 2 * threads // len(constrained)
     plans = {}
@@ -287,7 +287,11 @@ def _plan_splits(
         if kinds[b] != XGRAMMAR:
             continue
         nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
-        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART)
+        if topology.orders is not None and topology.local_parents is not None:
+            order, parent = topology.orders[b], topology.local_parents[b]
+        else:
+            order, parent = None, None
+        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART, order, parent)
         if split is not None:
             plans[b] = (split, [grammars[b].fork() for _ in split.subtrees])
     return plans

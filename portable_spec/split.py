@@ -13,7 +13,6 @@ small batch.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,105 +56,110 @@ class Split:
 
 
 def plan_split(
-    nt: list[int], ns: list[int], dt: list[int], parts: int, min_part: int
+    nt: list[int],
+    ns: list[int],
+    dt: list[int],
+    parts: int,
+    min_part: int,
+    order: list[int] | None = None,
+    parent: list[int] | None = None,
 ) -> Split | None:
     """Cut a (validated) tree into up to ``parts`` pieces of about equal node count.
 
     Greedy: repeatedly cut, out of what remains, the subtree whose size is closest to an equal
     share of the remaining nodes; never the root, never a piece under ``min_part`` nodes.
+    ``order`` (parents before children) and ``parent`` may be passed when already known.
     Returns None when no cut is worth making.
     """
     nodes = len(nt)
-    children: list[list[int]] = [[] for _ in range(nodes)]
-    parent = [-1] * nodes
-    order = [0]
-    i = 0
-    while i < len(order):  # breadth first from the root: parents before children
-        v = order[i]
-        i += 1
-        c = nt[v]
-        while c != -1:
-            children[v].append(c)
-            parent[c] = v
-            order.append(c)
-            c = ns[c]
+    if order is None or parent is None:
+        order, parent = _walk_order(nt, ns)
     size = [1] * nodes
-    for v in reversed(order[1:]):
-        size[parent[v]] += size[v]
+    for v in reversed(order):
+        p = parent[v]
+        if p >= 0:
+            size[p] += size[v]
     removed = [False] * nodes
-    cuts: list[int] = []
+    main_nt, main_ns = list(nt), list(ns)
+    subtrees = []
     for piece in range(parts - 1):
         remaining = size[0]
         goal = remaining / (parts - piece)
         best, best_gap = -1, float(nodes)
-        for v in order[1:]:
-            if removed[v]:
-                continue
+        upper = remaining - min_part
+        for v in order:
             s = size[v]
-            if s >= min_part and remaining - s >= min_part and abs(s - goal) < best_gap:
-                best, best_gap = v, abs(s - goal)
+            if min_part <= s <= upper and not removed[v] and v:
+                gap = abs(s - goal)
+                if gap < best_gap:
+                    best, best_gap = v, gap
         if best < 0:
             break
-        cuts.append(best)
-        stack = [best]
-        while stack:
-            v = stack.pop()
-            removed[v] = True
-            stack.extend(children[v])
+        subtrees.append(_cut(main_nt, main_ns, dt, parent, best, removed))
         a = parent[best]
         while a != -1:
             size[a] -= size[best]
             a = parent[a]
-    if not cuts:
+    if not subtrees:
         return None
-
-    next_token = np.array(nt, dtype=np.int64)
-    next_sibling = np.array(ns, dtype=np.int64)
-    subtrees = []
-    for s in cuts:
-        subtrees.append(_extract(children, parent, dt, s, removed_below=cuts))
-        # unlink s from its parent's child list in the main part
-        siblings = children[parent[s]]
-        at = siblings.index(s)
-        after = siblings[at + 1] if at + 1 < len(siblings) else -1
-        if at == 0:
-            next_token[parent[s]] = after
-        else:
-            next_sibling[siblings[at - 1]] = after
-        siblings.pop(at)
-        next_sibling[s] = -1
     main_rows = [v for v in range(nodes) if not removed[v]]
-    return Split(next_token, next_sibling, main_rows, subtrees)
+    return Split(
+        np.array(main_nt, dtype=np.int64), np.array(main_ns, dtype=np.int64), main_rows, subtrees
+    )
 
 
-def _extract(
-    children: list[list[int]], parent: list[int], dt: list[int], s: int, removed_below: list[int]
+def _walk_order(nt: list[int], ns: list[int]) -> tuple[list[int], list[int]]:
+    parent = [-1] * len(nt)
+    order = [0]
+    for v in order:  # grows while iterating: breadth first
+        c = nt[v]
+        while c != -1:
+            parent[c] = v
+            order.append(c)
+            c = ns[c]
+    return order, parent
+
+
+def _cut(
+    nt: list[int], ns: list[int], dt: list[int], parent: list[int], s: int, removed: list[bool]
 ) -> Subtree:
-    """The subtree at ``s``, minus subtrees of other cuts inside it, renumbered from 0."""
-    others = set(removed_below) - {s}
+    """Take the subtree at ``s`` out of the links ``nt``/``ns`` (in place) and renumber it.
+
+    Subtrees cut before are no longer linked, so they are not part of this one.
+    """
     nodes = [s]
-    i = 0
-    while i < len(nodes):
-        nodes.extend(c for c in children[nodes[i]] if c not in others)
-        i += 1
+    for v in nodes:  # breadth first over the current links
+        removed[v] = True
+        c = nt[v]
+        while c != -1:
+            nodes.append(c)
+            c = ns[c]
     local = {v: j for j, v in enumerate(nodes)}
-    k = len(nodes)
-    next_token = np.full(k, -1, dtype=np.int64)
-    next_sibling = np.full(k, -1, dtype=np.int64)
-    for j, v in enumerate(nodes):
-        kids = [c for c in children[v] if c not in others]
-        if kids:
-            next_token[j] = local[kids[0]]
-            for a, b in itertools.pairwise(kids):
-                next_sibling[local[a]] = local[b]
+    sub_nt = [local[nt[v]] if nt[v] != -1 else -1 for v in nodes]
+    sub_ns = [-1] + [local[ns[v]] if ns[v] != -1 else -1 for v in nodes[1:]]
+    # unlink s from its parent's child chain
+    p = parent[s]
+    if nt[p] == s:
+        nt[p] = ns[s]
+    else:
+        c = nt[p]
+        while ns[c] != s:
+            c = ns[c]
+        ns[c] = ns[s]
+    ns[s] = -1
     path = []
     v = s
     while v != 0:
         path.append(dt[v])
         v = parent[v]
     path.reverse()
-    draft = np.array([dt[v] for v in nodes], dtype=np.int64)
-    return Subtree(path, nodes, next_token, next_sibling, draft)
+    return Subtree(
+        path,
+        nodes,
+        np.array(sub_nt, dtype=np.int64),
+        np.array(sub_ns, dtype=np.int64),
+        np.array([dt[v] for v in nodes], dtype=np.int64),
+    )
 
 
 def walk_subtree(fork: Any, sub: Subtree, scratch: np.ndarray, vocab_limit: int) -> bool:
