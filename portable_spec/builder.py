@@ -146,38 +146,16 @@ def build_host_bitmask(
 
     root_ok = np.ones(batch, dtype=bool)
     splits = _plan_splits(kinds, constrained, topology, next_token, next_sibling, draft, grammars)
-    jobs: list[Callable[[], None]] = []
-    owners: list[int] = []  # the request each job belongs to (for MatcherError)
-    for b in range(batch):
-        block = mask[b * nodes : (b + 1) * nodes]
-        kind = kinds[b]
-        if kind == NONE:
-            jobs.append(partial(block.fill, ALL_ALLOWED))
-            owners.append(b)
-            continue
-        info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        if kind == GENERIC:
-            lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
-            limit = min(vocab_size, info.vocab_size)
-            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit))
-            owners.append(b)
-            continue
-        split = splits.get(b)
-        if split is None:
-            links = (next_token[b], next_sibling[b], draft[b])
-            jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None))
-            owners.append(b)
-            continue
-        plan, forks = split
-        limit = min(vocab_size, info.vocab_size)
-        for sub, fork in zip(plan.subtrees, forks, strict=True):
-            jobs.append(partial(_subtree_job, fork, sub, block, info, limit))
-            owners.append(b)
-        links = (plan.next_token, plan.next_sibling, draft[b])
-        job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, plan.main_rows)
-        jobs.append(job)
-        owners.append(b)
-
+    jobs, owners = _make_jobs(
+        grammars,
+        kinds,
+        infos,
+        (next_token, next_sibling, draft),
+        mask,
+        root_ok,
+        splits,
+        vocab_size,
+    )
     seconds = [0.0] * len(jobs)
 
     def run_job(i: int) -> None:
@@ -203,6 +181,46 @@ def build_host_bitmask(
         rewrite = _rewrite_small if topology.small else _rewrite_large
         rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, xgrammar_requests)
     return mask
+
+
+def _make_jobs(
+    grammars: Sequence[Any],
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
+    mask: np.ndarray,
+    root_ok: np.ndarray,
+    splits: dict[int, tuple[Split, list[Any]]],
+    vocab_size: int,
+) -> tuple[list[Callable[[], None]], list[int]]:
+    """One job per request (several for a split request), and the request of each job."""
+    next_token, next_sibling, draft = arrays
+    nodes = next_token.shape[1]
+    jobs: list[Callable[[], None]] = []
+    owners: list[int] = []
+    for b, kind in enumerate(kinds):
+        block = mask[b * nodes : (b + 1) * nodes]
+        info: MatcherInfo = infos[b]  # type: ignore[assignment]
+        if kind == NONE:
+            jobs.append(partial(block.fill, ALL_ALLOWED))
+        elif kind == GENERIC:
+            lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
+            limit = min(vocab_size, info.vocab_size)
+            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit))
+        elif b not in splits:
+            links = (next_token[b], next_sibling[b], draft[b])
+            jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None))
+        else:
+            plan, forks = splits[b]
+            limit = min(vocab_size, info.vocab_size)
+            for sub, fork in zip(plan.subtrees, forks, strict=True):
+                jobs.append(partial(_subtree_job, fork, sub, block, info, limit))
+                owners.append(b)
+            links = (plan.next_token, plan.next_sibling, draft[b])
+            rows = plan.main_rows
+            jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, rows))
+        owners.append(b)
+    return jobs, owners
 
 
 def _copy_rows(block: np.ndarray, target: np.ndarray, words: int, rows: list[int] | None) -> None:
