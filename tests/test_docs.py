@@ -26,7 +26,9 @@ def test_code_blocks_run(doc, tmp_path):
         pytest.skip(f"{doc} has no python blocks")
     script = tmp_path / "doc_blocks.py"
     script.write_text("\n\n".join(blocks))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
     )
