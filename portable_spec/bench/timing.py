@@ -1,0 +1,234 @@
+"""Interleaved rounds: every method runs once per round, in a rotating order, on the same
+inputs; figures are medians over rounds and ratios are taken between medians of one run."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R")
+
+__all__ = [
+    "LoadMeter",
+    "Method",
+    "QuietPolicy",
+    "RoundPlan",
+    "background_busy_cores",
+    "geomean",
+    "measure_quietly",
+    "median",
+    "run_rounds",
+    "usable_cores",
+    "wait_for_quiet",
+]
+
+T = TypeVar("T")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the figure every table states)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Method(Generic[T]):
+    """A competitor: ``prepare(inputs)`` (untimed) returns the zero-argument call to time.
+
+    The call's return value is dropped right after the timing, except in the warm-up round,
+    where :func:`run_rounds` hands every method's result to its ``on_warmup`` check.
+    """
+
+    name: str
+    prepare: Callable[[T], Callable[[], Any]]
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """How many rounds a configuration gets.
+
+    Rounds run until ``max_rounds`` or until ``budget_s`` seconds have passed, but never fewer
+    than ``min_rounds``. One untimed warm-up round comes first.
+    """
+
+    min_rounds: int = 5
+    max_rounds: int = 30
+    budget_s: float = 2.0
+
+
+def run_rounds(
+    methods: Sequence[Method[T]],
+    make_inputs: Callable[[int], T],
+    plan: RoundPlan,
+    *,
+    on_warmup: Callable[[T, dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, list[float]], list[T]]:
+    """Time ``methods`` in interleaved rounds.
+
+    Args:
+        methods: the competitors; round ``r`` runs them starting at index ``r % len``.
+        make_inputs: ``round -> inputs`` (untimed; fresh inputs each round).
+        plan: the round budget.
+        on_warmup: called with the warm-up round's inputs and ``name -> return value`` (to
+            check that the methods agree).
+
+    Returns:
+        ``(seconds, inputs)``: per method the duration of each timed round, and the inputs of
+        each timed round (same order).
+    """
+    warm = make_inputs(-1)
+    results = {m.name: m.prepare(warm)() for m in methods}
+    if on_warmup is not None:
+        on_warmup(warm, results)
+    del results
+    seconds: dict[str, list[float]] = {m.name: [] for m in methods}
+    inputs: list[T] = []
+    start = time.perf_counter()
+    gc_was_enabled = gc.isenabled()
+    rounds = 0
+    try:
+        while rounds < plan.max_rounds and (
+            rounds < plan.min_rounds or time.perf_counter() - start < plan.budget_s
+        ):
+            data = make_inputs(rounds)
+            count = len(methods)
+            gc.collect()
+            gc.disable()  # no collection inside a timed call; garbage waits for the next round
+            for k in range(count):
+                method = methods[(rounds + k) % count]
+                call = method.prepare(data)
+                t0 = time.perf_counter()
+                call()
+                elapsed = time.perf_counter() - t0
+                del call
+                seconds[method.name].append(elapsed)
+            if gc_was_enabled:
+                gc.enable()
+            inputs.append(data)
+            rounds += 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return seconds, inputs
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (``nan`` for no values)."""
+    return statistics.median(values) if values else float("nan")
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean of positive values (``nan`` for none)."""
+    values = [v for v in values if v > 0]
+    if not values:
+        return float("nan")
+    return statistics.geometric_mean(values)
+
+
+# -- other processes ----------------------------------------------------------------------------
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class LoadMeter:
+    """CPU used by *other* processes since construction: the machine's busy time (from
+    ``/proc/stat``) minus this process's own CPU time (all its threads)."""
+
+    def __init__(self) -> None:
+        self._start = _cpu_jiffies()
+        self._own = _own_cpu()
+        self._wall = time.perf_counter()
+
+    def busy_cores(self) -> float | None:
+        """Average cores kept busy by other processes (None where unknown)."""
+        end = _cpu_jiffies()
+        wall = time.perf_counter() - self._wall
+        if self._start is None or end is None or wall <= 0:
+            return None
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        busy = (end[0] - self._start[0]) / tick
+        return max(0.0, busy - (_own_cpu() - self._own)) / wall
+
+
+def background_busy_cores(seconds: float = 0.5) -> float | None:
+    """Cores other processes keep busy, sampled over ``seconds`` while we sleep."""
+    meter = LoadMeter()
+    time.sleep(seconds)
+    return meter.busy_cores()
+
+
+def wait_for_quiet(threshold: float, timeout_s: float, *, sample_s: float = 1.0) -> float:
+    """Sleep until two consecutive ``sample_s`` samples show other processes below
+    ``threshold`` busy cores, or ``timeout_s`` passed. Returns the seconds waited."""
+    start = time.perf_counter()
+    quiet = 0
+    while quiet < 2 and time.perf_counter() - start < timeout_s:
+        busy = background_busy_cores(sample_s)
+        if busy is None:
+            break
+        quiet = quiet + 1 if busy < threshold else 0
+    return time.perf_counter() - start
+
+
+@dataclass
+class QuietPolicy:
+    """What to do when other processes load the machine during a measurement.
+
+    A configuration measured while other processes kept more than ``threshold`` cores busy
+    (on average) is measured again after waiting for a quiet machine, at most ``retries``
+    times, while the run's waiting budget ``wait_s`` lasts; the quietest attempt is kept and
+    its load is reported. ``wait_s = 0`` (the default) never retries: the load is only
+    recorded.
+    """
+
+    threshold: float = 0.2
+    wait_s: float = 0.0
+    retries: int = 3
+    waited_s: float = 0.0
+    retried: int = 0
+
+    def budget_left(self) -> float:
+        """Seconds of waiting left."""
+        return max(0.0, self.wait_s - self.waited_s)
+
+
+def measure_quietly(fn: Callable[[], R], policy: QuietPolicy) -> tuple[R, float | None]:
+    """Run ``fn`` under ``policy``; return its result and the other processes' busy cores
+    during the attempt kept."""
+    best: tuple[R, float | None] | None = None
+    for attempt in range(policy.retries + 1):
+        meter = LoadMeter()
+        result = fn()
+        busy = meter.busy_cores()
+        if best is None or (busy is not None and (best[1] is None or busy < best[1])):
+            best = (result, busy)
+        if busy is None or busy <= policy.threshold or policy.budget_left() <= 0:
+            break
+        if attempt == policy.retries:
+            break
+        policy.retried += 1
+        policy.waited_s += wait_for_quiet(policy.threshold, min(policy.budget_left(), 300.0))
+    assert best is not None
+    return best

@@ -1,0 +1,140 @@
+"""Smoke test of ``portable-spec bench --quick``: it runs, writes sane JSON and a plot.
+
+Never asserts a speed (the machine may be busy); only that every figure is a finite positive
+number, that every section produced its records and that the library's masks matched the
+Python traversal's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("jax")
+pytest.importorskip("matplotlib")
+
+
+def _finite_positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
+    out = tmp_path_factory.mktemp("bench")
+    json_path, plot_path = str(out / "bench.json"), str(out / "bench.png")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the test suite's 8 virtual CPU devices are not the bench's
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "portable_spec.bench",
+            "--quick",
+            "--json",
+            json_path,
+            "--plot",
+            plot_path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(json_path, encoding="utf-8") as f:
+        payload = json.load(f)
+    return payload, plot_path, proc.stdout
+
+
+def test_meta(quick_run):
+    payload, _, _ = quick_run
+    meta = payload["meta"]
+    assert meta["preset"] == "quick"
+    assert meta["cores"] >= 1 and meta["threads"] >= 1
+    assert meta["vocab_size"] == 49152
+    assert meta["wall_seconds"] > 0
+    assert {"numpy", "torch", "jax", "xgrammar"} <= set(meta["versions"])
+
+
+def test_build_records(quick_run):
+    payload, _, _ = quick_run
+    build = payload["build"]
+    # quick: 2 grammars x 2 shapes x 1 node count x 2 batch sizes
+    assert len(build) == 8
+    assert {(r["kind"], r["shape"], r["batch"]) for r in build} == {
+        (k, s, b) for k in ("json_schema", "regex") for s in ("tree", "chain") for b in (1, 8)
+    }
+    methods = {"portable_spec", "xgr_loop_reused", "xgr_loop_fresh", "python_dfs"}
+    for r in build:
+        assert r["masks_identical"] is True, r
+        assert r["accepted_matches"] is True, r
+        assert r["rounds"] >= 3
+        assert r["accepted_nodes"] >= 1
+        assert r["cores"] >= 1
+        assert set(r["seconds"]) == methods
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert all(_finite_positive(v) for v in r["us_per_accepted_node"].values()), r
+        assert set(r["speedup"]) == methods - {"portable_spec"}
+        assert all(_finite_positive(v) for v in r["speedup"].values()), r
+        assert _finite_positive(r["ideal_seconds"]) and _finite_positive(r["ours_over_ideal"])
+
+
+def test_other_sections(quick_run):
+    payload, _, _ = quick_run
+    staging = payload["staging"]
+    assert {(r["framework"], r["operation"]) for r in staging} == {
+        (f, op) for f in ("torch", "jax") for op in ("tree download", "mask upload")
+    }
+    for r in staging:
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert _finite_positive(r["plain_over_library"])
+
+    apply = payload["apply"]
+    assert {(r["framework"], r["dtype"]) for r in apply} == {
+        ("numpy", "float32"),
+        ("torch", "float32"),
+        ("torch", "bfloat16"),
+        ("jax", "float32"),
+        ("jax", "bfloat16"),
+    }
+    for r in apply:
+        assert r["vocab"] == 131072
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert _finite_positive(r["apply_over_floor"])
+        if r["framework"] == "jax":
+            assert _finite_positive(r["donating_apply_over_numpy_copy"])
+
+    overlap = payload["overlap"]
+    assert [r["forward"] for r in overlap] == ["one core", "all cores"]
+    for r in overlap:
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert _finite_positive(r["forward_dispatch_seconds"])
+        assert _finite_positive(r["forward_busy_cores"])
+        assert math.isfinite(r["hidden_fraction"])
+
+
+def test_targets_and_outputs(quick_run):
+    payload, plot_path, stdout = quick_run
+    names = [t["name"] for t in payload["targets"]]
+    assert len(names) == 6
+    bs1 = next(t for t in payload["targets"] if "bs1" in t["name"])
+    assert bs1["met"] in (True, False) and len(bs1["configs"]) == 4
+    assert "## Host mask build (" in stdout and "cores" in stdout
+    with open(plot_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_routes_bench_help(capsys):
+    from portable_spec import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "--quick" in capsys.readouterr().out
