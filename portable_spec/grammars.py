@@ -140,15 +140,18 @@ def _kind_of_type(cls: type) -> int:
 def _probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
     """Learn an xgrammar matcher's bitmask width and stop tokens without moving it.
 
-    xgrammar exposes neither its vocabulary size nor its tokenizer from a matcher. The width
-    is learnt by filling one row of a fork (reset, since a terminated matcher refuses to fill)
-    at the model's width; xgrammar states the width it expects when that is wrong.
+    xgrammar exposes neither its vocabulary size nor its tokenizer from a matcher. Filling one
+    row at the model's width (filling never moves a matcher) succeeds when the widths agree,
+    the common case; otherwise xgrammar's error states the width it expects. A terminated
+    matcher refuses every fill, so a reset fork is probed instead.
     """
-    probe = matcher.fork()
-    probe.reset()
-    words = model_words
+    target = matcher
+    if matcher.is_terminated():
+        target = matcher.fork()
+        target.reset()
     try:
-        probe.fill_next_token_bitmask(np.empty((1, model_words), dtype=np.int32), 0)
+        target.fill_next_token_bitmask(np.empty((1, model_words), dtype=np.int32), 0)
+        words = model_words
     except RuntimeError as exc:
         found = _WIDTH_IN_MESSAGE.search(str(exc))
         if found is None:
@@ -157,7 +160,6 @@ def _probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
                 f"xgrammar said {exc}"
             ) from exc
         words = int(found.group(1))
-        probe.fill_next_token_bitmask(np.empty((1, words), dtype=np.int32), 0)
     stop_list = [int(t) for t in matcher.stop_token_ids]
     return MatcherInfo(
         words=words,

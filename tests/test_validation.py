@@ -74,7 +74,9 @@ def _assert_untouched(xm, pm, smollm2, before):
 @pytest.mark.parametrize(
     ("name", "nt", "ns", "pattern"), MALFORMED_TREES, ids=[t[0] for t in MALFORMED_TREES]
 )
-def test_malformed_links(smollm2, recording, monkeypatch, path, name, nt, ns, pattern):
+def test_malformed_links(
+    smollm2, recording, monkeypatch, builder_mode, path, name, nt, ns, pattern
+):
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
     xm, pm = recording
@@ -303,3 +305,43 @@ def test_empty_batch_and_unconstrained_return_none(smollm2):
     # the unconstrained path does not even need a valid tree
     bad = ps.GrammarTree.from_host([[1, 1]], [[-1, -1]], [[0, 0]])
     assert ps.build_host_bitmask([None], bad, smollm2.size) is None
+
+
+def test_width_probe_fallback(smollm2, monkeypatch):
+    """If xgrammar's error message stops stating the width, the probe still works for
+    matchers as wide as the model's mask and refuses others clearly."""
+    import portable_spec.grammars as grammars_module
+
+    monkeypatch.setattr(grammars_module, "_WIDTH_IN_MESSAGE", re.compile("never matches"))
+    m = xgr.GrammarMatcher(smollm2.grammars["regex"])
+    tree = _tree(batch=1)
+    assert ps.build_host_bitmask([m], tree, smollm2.size) is not None
+    other = xgr.GrammarMatcher(smollm2.grammars["regex"])
+    with pytest.raises(TypeError, match="could not determine the bitmask width"):
+        ps.build_host_bitmask([other], tree, smollm2.size + 64)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(nodes=st.integers(1, 12), data=st.data())
+def test_compiled_checker_agrees_with_python(nodes, data):
+    """The compiled link checker says "valid" exactly when the Python validator does."""
+    from portable_spec.native import native
+
+    if native is None:
+        pytest.skip("portable_spec._native is not built here")
+    batch = data.draw(st.integers(1, 3))
+    link = st.integers(-2, nodes)
+    shape = st.lists(st.lists(link, min_size=nodes, max_size=nodes), min_size=batch, max_size=batch)
+    nt = np.array(data.draw(shape), dtype=np.int64)
+    ns = np.array(data.draw(shape), dtype=np.int64)
+    if data.draw(st.booleans()):  # bias towards valid trees: drop most links
+        nt[nt > 0] = np.where(np.arange(nt[nt > 0].size) % 3 == 0, nt[nt > 0], -1)
+        ns[:, 0] = -1
+    try:
+        topology_module.validate_links(nt, ns)
+        python_ok = True
+    except ValueError:
+        python_ok = False
+    assert native.links_valid(nt, ns) == python_ok
