@@ -3,7 +3,7 @@ of the host mask build, the staging, the apply and the overlap, on SmolLM2's voc
 the sample JSON schema, EBNF and regex grammars.
 
 Every figure is a median over interleaved rounds (each round runs every method once, in a
-rotating order, on the same fresh inputs) and every ratio is taken between medians of the
+random order, on the same fresh inputs) and every ratio is taken between medians of the
 same run. Tables go to stdout (Markdown), progress to stderr. See ``docs/benchmarks.md``.
 """
 

@@ -1,6 +1,6 @@
 """Section 1, host mask build: this library against the ways engines build the mask today.
 
-Competitors, all given the same batch in the same round (order rotating):
+Competitors, all given the same batch in the same round (in a random order per round):
 
 ``portable_spec``
     What an engine runs each step: ``GrammarTree.from_host`` (``from_linear_chain`` for

@@ -1,5 +1,12 @@
-"""Interleaved rounds: every method runs once per round, in a rotating order, on the same
-inputs; figures are medians over rounds and ratios are taken between medians of one run."""
+"""Interleaved rounds: every method runs once per round, in a fresh random order, on the same
+inputs; figures are medians over rounds and ratios are taken between medians of one run.
+
+The order is a random permutation per round (seeded), not a rotation: with a rotation each
+method always follows the same predecessor, and a predecessor that leaves the process in a
+costly state (thousands of freed small blocks that glibc coalesces on the next larger
+allocation, after torch's scalar-tensor traffic) would always penalise the same method.
+:func:`settle` also pays that coalescing, untimed, after every call.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 R = TypeVar("R")
 
@@ -73,7 +82,7 @@ def run_rounds(
     """Time ``methods`` in interleaved rounds.
 
     Args:
-        methods: the competitors; round ``r`` runs them starting at index ``r % len``.
+        methods: the competitors; each round runs them in a random order.
         make_inputs: ``round -> inputs`` (untimed; fresh inputs each round).
         plan: the round budget.
         on_warmup: called with the warm-up round's inputs and ``name -> return value`` (to
@@ -89,6 +98,7 @@ def run_rounds(
         on_warmup(warm, results)
     del results
     seconds: dict[str, list[float]] = {m.name: [] for m in methods}
+    order_rng = np.random.default_rng(len(methods))
     inputs: list[T] = []
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
@@ -98,16 +108,17 @@ def run_rounds(
             rounds < plan.min_rounds or time.perf_counter() - start < plan.budget_s
         ):
             data = make_inputs(rounds)
-            count = len(methods)
+            order = order_rng.permutation(len(methods))
             gc.collect()
             gc.disable()  # no collection inside a timed call; garbage waits for the next round
-            for k in range(count):
-                method = methods[(rounds + k) % count]
+            for k in order:
+                method = methods[int(k)]
                 call = method.prepare(data)
                 t0 = time.perf_counter()
                 call()
                 elapsed = time.perf_counter() - t0
                 del call
+                settle()
                 seconds[method.name].append(elapsed)
             if gc_was_enabled:
                 gc.enable()
@@ -117,6 +128,17 @@ def run_rounds(
         if gc_was_enabled:
             gc.enable()
     return seconds, inputs
+
+
+def settle() -> None:
+    """Leave the allocator as the next method should find it (untimed, after every call).
+
+    glibc coalesces its free lists of small chunks on the next larger ``malloc``; after a
+    method that frees thousands of small blocks (torch scalar tensors do) that coalescing costs
+    up to a millisecond, billed to whichever code allocates next. Allocating one larger block
+    here pays it outside any timing.
+    """
+    bytearray(1 << 16)
 
 
 def median(values: Sequence[float]) -> float:
