@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native as compiled
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import (
     GENERIC,
@@ -43,9 +44,10 @@ ALL_ALLOWED = -1
 # Below this many nodes with a grammar, waking pool workers costs more than it saves.
 PARALLEL_MIN_NODES = 48
 # With fewer requests than threads, trees of at least this many nodes are cut into subtrees
-# of at least SPLIT_MIN_PART nodes walked in parallel on forks of the matcher.
-SPLIT_MIN_NODES = 16
-SPLIT_MIN_PART = 4
+# of at least SPLIT_MIN_PART nodes walked in parallel on forks of the matcher. Forks, path
+# replays and waking a worker cost tens of microseconds, so only big trees gain.
+SPLIT_MIN_NODES = 256
+SPLIT_MIN_PART = 16
 
 _scratch = threading.local()
 
@@ -142,10 +144,10 @@ def build_host_bitmask(
     rows = batch * nodes
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
     next_token, next_sibling, draft = tree.resolve()
-    topology = tree.topology()
+    tree.validate()
 
     root_ok = np.ones(batch, dtype=bool)
-    splits = _plan_splits(kinds, constrained, topology, next_token, next_sibling, draft, grammars)
+    splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
     jobs, owners = _make_jobs(
         grammars,
         kinds,
@@ -176,10 +178,14 @@ def build_host_bitmask(
             per_request[owner] += spent
     record_build(per_request.items(), rows)
 
-    xgrammar_requests = [b for b in constrained if kinds[b] == XGRAMMAR]
-    if xgrammar_requests:
+    # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
+    # or a request split over several walks) are repaired here, vectorized over the batch.
+    in_job = compiled.native is not None
+    pending = [b for b in constrained if kinds[b] == XGRAMMAR and (not in_job or b in splits)]
+    if pending:
+        topology = tree.topology()
         rewrite = _rewrite_small if topology.small else _rewrite_large
-        rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, xgrammar_requests)
+        rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, pending)
     return mask
 
 
@@ -209,7 +215,12 @@ def _make_jobs(
             jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit))
         elif b not in splits:
             links = (next_token[b], next_sibling[b], draft[b])
-            jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None))
+            if compiled.native is not None:
+                limit = min(vocab_size, info.vocab_size)
+                jobs.append(partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit))
+            else:
+                job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None)
+                jobs.append(job)
         else:
             plan, forks = splits[b]
             limit = min(vocab_size, info.vocab_size)
@@ -251,6 +262,25 @@ def _xgrammar_job(
         _copy_rows(block, target, info.words, owned_rows)
 
 
+def _xgrammar_repaired_job(
+    matcher: Any,
+    links: tuple[np.ndarray, np.ndarray, np.ndarray],
+    block: np.ndarray,
+    info: MatcherInfo,
+    limit: int,
+) -> None:
+    """Walk one request with xgrammar's C++ traversal, then repair its rows in place with the
+    compiled helper (both release the GIL)."""
+    nodes, words = block.shape
+    target = block if info.words == words else _scratch_rows(nodes, info.words)
+    # A terminated matcher gets row 0 zeroed by the traversal; the repair reads that off row 0
+    # (-1), which saves asking the matcher first.
+    matcher.traverse_draft_tree(*links, target)
+    if target is not block:
+        _copy_rows(block, target, info.words, None)
+    compiled.native.repair_rows(block, *links, limit, info.stop_ids, -1)  # type: ignore[union-attr]
+
+
 def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:
     """Walk a subtree cut out of a request on a fork of its matcher; write its rows."""
     k = len(sub.nodes)
@@ -283,7 +313,7 @@ def _generic_job(
 def _plan_splits(
     kinds: list[int],
     constrained: list[int],
-    topology: Topology,
+    tree: GrammarTree,
     next_token: np.ndarray,
     next_sibling: np.ndarray,
     draft: np.ndarray,
@@ -291,25 +321,22 @@ def _plan_splits(
 ) -> dict[int, tuple[Split, list[Any]]]:
     """Cut large xgrammar trees into subtrees when there are fewer requests than threads.
 
-    Each request gets about ``2 * threads / requests`` pieces (more pieces than threads, so
-    the pool's dynamic scheduling evens out pieces whose drafts the grammar accepts more
-    often). Returns, per split request, the split and one fork of the matcher per subtree,
-    taken now, before any walk moves the matcher.
+    Each request gets about ``threads / requests`` pieces. Returns, per split request, the
+    split and one fork of the matcher per subtree, taken now, before any walk moves the
+    matcher.
     """
     threads = get_num_threads()
-    if threads < 2 or len(constrained) >= threads or topology.nodes < SPLIT_MIN_NODES:
+    if threads < 2 or len(constrained) >= threads or tree.nodes < SPLIT_MIN_NODES:
         return {}
-    parts = 2 * threads // len(constrained)
+    parts = threads // len(constrained)
+    if parts < 2:
+        return {}
     plans = {}
     for b in constrained:
         if kinds[b] != XGRAMMAR:
             continue
         nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
-        if topology.orders is not None and topology.local_parents is not None:
-            order, parent = topology.orders[b], topology.local_parents[b]
-        else:
-            order, parent = None, None
-        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART, order, parent)
+        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART)
         if split is not None:
             plans[b] = (split, [grammars[b].fork() for _ in split.subtrees])
     return plans

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native as compiled
 from portable_spec.backend import ArrayInfo, Backend, StagedArrays
 from portable_spec.registry import backend_for, get_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
@@ -90,6 +91,7 @@ class GrammarTree:
         "_chain",
         "_staged",
         "_topology",
+        "_valid",
         "batch",
         "device",
         "nodes",
@@ -108,6 +110,7 @@ class GrammarTree:
         self._staged = staged
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._topology: Topology | None = None
+        self._valid = chain  # chains are valid by construction
         self._backend = backend
         self._chain = chain
         self.batch = batch
@@ -222,6 +225,20 @@ class GrammarTree:
             self._arrays = tuple(slots)  # type: ignore[assignment]
             self._staged = []
         return self._arrays  # type: ignore[return-value]
+
+    def validate(self) -> None:
+        """Resolve and check the links (once); raise ``ValueError`` naming the problem.
+
+        Uses the compiled checker when available (a yes/no answer, GIL released) and the
+        Python validator to explain a "no"; see :func:`portable_spec.topology.validate_links`.
+        """
+        if self._valid:
+            return
+        next_token, next_sibling, _ = self.resolve()
+        checker = compiled.native
+        if checker is None or not checker.links_valid(next_token, next_sibling):
+            self.topology()  # raises for malformed links
+        self._valid = True
 
     def topology(self) -> Topology:
         """Resolve, validate the links (once) and return the parent structure.

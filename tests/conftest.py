@@ -73,6 +73,19 @@ def vocab(request: pytest.FixtureRequest) -> Vocab:
     return request.getfixturevalue(request.param)
 
 
+# -- compiled helpers on / off -----------------------------------------------------------------
+@pytest.fixture(params=["native", "python"])
+def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the compiled helpers and with their numpy/Python fallback."""
+    import portable_spec.native as native_module
+
+    if request.param == "native" and native_module.native is None:
+        pytest.skip("portable_spec._native is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(native_module, "native", None)
+    return request.param
+
+
 # -- the cross-backend matrix ------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     from _targets import TARGETS

@@ -53,7 +53,7 @@ def _check(case, vocab, mask):
 @pytest.mark.parametrize("path", ["lists", "arrays"])
 @SETTINGS
 @given(data=st.data())
-def test_matches_oracle(vocab, path, data, monkeypatch):
+def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     """Random trees, sibling orders, padding, off-grammar/EOS/out-of-range drafts, padded
     model vocabularies, xgrammar and protocol matchers: bit-identical to the oracle, and every
     matcher is back where it started."""

@@ -104,7 +104,7 @@ def corrupt(data, nt: np.ndarray, ns: np.ndarray) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_property(smollm2, data):
+def test_property(smollm2, builder_mode, data):
     case = draw_case(data, smollm2, max_batch=3, max_nodes=14)
     nt, ns, dt = case.next_token.copy(), case.next_sibling.copy(), case.draft.copy()
     if data.draw(st.integers(0, 2), label="corrupt links?") == 0:

@@ -27,7 +27,7 @@ def many_threads():
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_split_walks_match_oracle(vocab, data, monkeypatch, many_threads):
+def test_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch, many_threads):
     monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
     monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
     ps.set_num_threads(data.draw(st.sampled_from([2, 3, 4, 8]), label="threads"))
@@ -87,6 +87,8 @@ def test_split_failure_restores_everything(smollm2, many_threads, monkeypatch):
     import xgrammar as xgr
 
     ps.set_num_threads(2)
+    monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", 2)
+    monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", 2)
     compiled = smollm2.grammars["builtin_json"]
     m = xgr.GrammarMatcher(compiled)
     tokens = [0] + [smollm2.tokens.index(t) for t in ["[", "1", ",", "2", ","] * 4]

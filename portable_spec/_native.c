@@ -1,0 +1,234 @@
+/*
+ * portable_spec._native: the index work of the mask build, without the GIL.
+ *
+ * Two functions, both over one request's first-child / next-sibling links:
+ *
+ *   links_valid(next_token, next_sibling) -> bool
+ *       The link rules of portable_spec.topology for a C-contiguous int64 [batch, nodes]
+ *       pair: every link in [-1, nodes), no link to the root, no sibling of the root, at most
+ *       one link into any node, no cycle (also among nodes the root does not reach). It only
+ *       answers yes or no; the Python validator explains a "no".
+ *
+ *   repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state) -> int
+ *       After xgrammar's traverse_draft_tree filled `rows` (int32 [nodes, words]): decide from
+ *       node indices which nodes keep their row (accepted and not terminated: every node on
+ *       the root path has its token in [0, limit), not a stop token, and its bit set in its
+ *       parent's row) and write all-allowed (-1) into every other row. `root_state` is 1 when
+ *       the matcher was live, 0 when it had terminated, -1 to read it off row 0 (xgrammar
+ *       zeroes row 0 of a terminated matcher; a live matcher's row 0 allows some token).
+ *       Returns the number of rows kept. The links must be valid (links_valid); they are
+ *       still bounds-checked.
+ *
+ * Pure index work on caller-owned buffers: the GIL is released while it runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind,
+                      Py_ssize_t itemsize, int ndim, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    int kind_ok = (kind == 'i' && (*fmt == 'i' || *fmt == 'l' || *fmt == 'q'));
+    if (!kind_ok || view->itemsize != itemsize || view->ndim != ndim) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %d-D int%d array", name, ndim,
+                     (int)(itemsize * 8));
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+static int request_links_valid(const int64_t *nt, const int64_t *ns, Py_ssize_t n,
+                               int32_t *indegree, int32_t *queue, uint8_t *seen) {
+    if (ns[0] != -1) return 0;
+    memset(indegree, 0, sizeof(int32_t) * (size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t a = nt[i], b = ns[i];
+        if (a < -1 || a >= n || b < -1 || b >= n || a == 0 || b == 0) return 0;
+        if (a >= 0 && ++indegree[a] > 1) return 0;
+        if (b >= 0 && ++indegree[b] > 1) return 0;
+    }
+    /* With at most one link into any node and none into the root, a walk from the root
+       cannot revisit a node. */
+    memset(seen, 0, (size_t)n);
+    Py_ssize_t head = 0, tail = 0, reached = 0;
+    queue[tail++] = 0;
+    seen[0] = 1;
+    while (head < tail) {
+        int64_t v = queue[head++];
+        reached++;
+        for (int64_t c = nt[v]; c != -1; c = ns[c]) {
+            if (seen[c]) return 0; /* unreachable with valid in-degrees; defensive */
+            seen[c] = 1;
+            queue[tail++] = (int32_t)c;
+        }
+    }
+    if (reached == n) return 1;
+    /* The unreachable part is acyclic iff a walk from its orphans covers it. */
+    Py_ssize_t unreachable = n - reached, covered = 0;
+    head = tail = 0;
+    for (Py_ssize_t v = 0; v < n; v++)
+        if (!seen[v] && indegree[v] == 0) queue[tail++] = (int32_t)v;
+    while (head < tail) {
+        int32_t v = queue[head++];
+        if (seen[v]) continue;
+        seen[v] = 1;
+        covered++;
+        if (nt[v] != -1 && !seen[nt[v]]) queue[tail++] = (int32_t)nt[v];
+        if (ns[v] != -1 && !seen[ns[v]]) queue[tail++] = (int32_t)ns[v];
+        if (tail > 2 * n) return 0; /* cannot happen with in-degree <= 1; defensive */
+    }
+    return covered == unreachable;
+}
+
+static PyObject *links_valid(PyObject *self, PyObject *args) {
+    PyObject *nt_obj, *ns_obj;
+    if (!PyArg_ParseTuple(args, "OO", &nt_obj, &ns_obj)) return NULL;
+    Py_buffer nt, ns;
+    if (get_buffer(nt_obj, &nt, 0, 'i', 8, 2, "next_token") != 0) return NULL;
+    if (get_buffer(ns_obj, &ns, 0, 'i', 8, 2, "next_sibling") != 0) {
+        PyBuffer_Release(&nt);
+        return NULL;
+    }
+    if (nt.shape[0] != ns.shape[0] || nt.shape[1] != ns.shape[1] || nt.shape[1] < 1) {
+        PyBuffer_Release(&nt);
+        PyBuffer_Release(&ns);
+        PyErr_SetString(PyExc_ValueError, "links must be [batch, nodes] arrays of one shape");
+        return NULL;
+    }
+    Py_ssize_t batch = nt.shape[0], n = nt.shape[1];
+    int ok = 1;
+    void *scratch = malloc((size_t)n * (2 * sizeof(int32_t) + 2 * sizeof(int32_t) + 1));
+    if (scratch == NULL) {
+        PyBuffer_Release(&nt);
+        PyBuffer_Release(&ns);
+        return PyErr_NoMemory();
+    }
+    int32_t *indegree = (int32_t *)scratch;
+    int32_t *queue = indegree + n;           /* room for 3n entries */
+    uint8_t *seen = (uint8_t *)(queue + 3 * n);
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *a = (const int64_t *)nt.buf, *b = (const int64_t *)ns.buf;
+    for (Py_ssize_t r = 0; r < batch && ok; r++)
+        ok = request_links_valid(a + r * n, b + r * n, n, indegree, queue, seen);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&nt);
+    PyBuffer_Release(&ns);
+    return PyBool_FromLong(ok);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+static PyObject *repair_rows(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj;
+    long long limit;
+    int root_ok;
+    if (!PyArg_ParseTuple(args, "OOOOLOi", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &limit,
+                          &stops_obj, &root_ok))
+        return NULL;
+    Py_buffer rows, nt, ns, dt, stops;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    if (get_buffer(nt_obj, &nt, 0, 'i', 8, 1, "next_token") != 0) goto fail_rows;
+    if (get_buffer(ns_obj, &ns, 0, 'i', 8, 1, "next_sibling") != 0) goto fail_nt;
+    if (get_buffer(dt_obj, &dt, 0, 'i', 8, 1, "draft") != 0) goto fail_ns;
+    if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_dt;
+    Py_ssize_t n = rows.shape[0], words = rows.shape[1];
+    if (nt.shape[0] != n || ns.shape[0] != n || dt.shape[0] != n || n < 1 ||
+        limit > (long long)words * 32) {
+        PyErr_SetString(PyExc_ValueError, "repair_rows: inconsistent shapes or limit");
+        goto fail_all;
+    }
+    void *scratch = malloc((size_t)n * (sizeof(int32_t) + 1));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto fail_all;
+    }
+    int32_t *queue = (int32_t *)scratch;
+    uint8_t *keep = (uint8_t *)(queue + n);
+    Py_ssize_t kept = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *mask = (int32_t *)rows.buf;
+    const int64_t *first = (const int64_t *)nt.buf, *next = (const int64_t *)ns.buf;
+    const int64_t *token = (const int64_t *)dt.buf, *stop = (const int64_t *)stops.buf;
+    Py_ssize_t nstops = stops.shape[0];
+    memset(keep, 0, (size_t)n);
+    if (root_ok < 0) {
+        root_ok = 0;
+        for (Py_ssize_t w = 0; w < words && !root_ok; w++)
+            root_ok = mask[w] != 0;
+    }
+    if (root_ok) {
+        /* breadth first from the root: a node's test reads its (kept) parent's row */
+        Py_ssize_t head = 0, tail = 0;
+        keep[0] = 1;
+        queue[tail++] = 0;
+        while (head < tail) {
+            int32_t p = queue[head++];
+            const uint32_t *parent_row = (const uint32_t *)(mask + (Py_ssize_t)p * words);
+            Py_ssize_t steps = 0;
+            for (int64_t c = first[p]; c >= 0 && c < n && steps < n; c = next[c], steps++) {
+                int64_t t = token[c];
+                int ok = t >= 0 && t < limit && ((parent_row[t >> 5] >> (t & 31)) & 1u);
+                for (Py_ssize_t s = 0; ok && s < nstops; s++)
+                    if (stop[s] == t) ok = 0;
+                if (ok && !keep[c] && tail < n) {
+                    keep[c] = 1;
+                    queue[tail++] = (int32_t)c;
+                }
+            }
+        }
+        kept = tail;
+    }
+    for (Py_ssize_t v = 0; v < n; v++)
+        if (!keep[v]) memset(mask + v * words, 0xff, sizeof(int32_t) * (size_t)words);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&stops);
+    PyBuffer_Release(&dt);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&nt);
+    PyBuffer_Release(&rows);
+    return PyLong_FromSsize_t(kept);
+
+fail_all:
+    PyBuffer_Release(&stops);
+fail_dt:
+    PyBuffer_Release(&dt);
+fail_ns:
+    PyBuffer_Release(&ns);
+fail_nt:
+    PyBuffer_Release(&nt);
+fail_rows:
+    PyBuffer_Release(&rows);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"links_valid", links_valid, METH_VARARGS,
+     "links_valid(next_token, next_sibling) -> bool: whether int64 [batch, nodes] links form "
+     "valid verify trees (GIL released)."},
+    {"repair_rows", repair_rows, METH_VARARGS,
+     "repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_ok) -> int: "
+     "write -1 into every row of one request that is not an accepted, non-terminated node's; "
+     "returns the rows kept (GIL released)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "portable_spec._native",
+    "GIL-free index work of the mask build (link validation, row repair).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
