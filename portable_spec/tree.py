@@ -167,10 +167,15 @@ class GrammarTree:
         """
         hosts = [_host_array(a) for a in (retrieve_next_token, retrieve_next_sibling, draft_tokens)]
         numpy_backend = get_backend("numpy")
-        infos = [_info(n, h, numpy_backend) for n, h in zip(_NAMES, hosts, strict=True)]
-        batch, nodes = _check_shapes(infos, _NAMES)
-        ready = _Ready(hosts)
-        return cls([([0, 1, 2], ready)], batch, nodes, get_backend("numpy"), chain=False)
+        shape = hosts[0].shape
+        if not (
+            len(shape) == 2
+            and all(h.shape == shape and h.dtype.kind in "iu" for h in hosts)
+            and shape[1] >= 1
+        ):  # the common case passes in a few attribute reads; anything else gets checked
+            infos = [_info(n, h, numpy_backend) for n, h in zip(_NAMES, hosts, strict=True)]
+            shape = _check_shapes(infos, _NAMES)
+        return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], numpy_backend, chain=False)
 
     @classmethod
     def from_linear_chain(cls, draft_tokens: Any) -> GrammarTree:
@@ -209,10 +214,10 @@ class GrammarTree:
 
         Returns:
             ``(next_token, next_sibling, draft_tokens)``: C-contiguous numpy int64 arrays,
-            each ``[batch, nodes]``, private to this tree (copies of the inputs). They are
-            cached: later calls return the same arrays without waiting. Do not modify them
-            (they stay writable only because DLPack, through which xgrammar reads them,
-            cannot export read-only arrays).
+            each ``[batch, nodes]``: copies of the inputs (the links of a chain are shared by
+            every chain tree of the same shape). They are cached: later calls return the same
+            arrays without waiting. Do not modify them (they stay writable only because
+            DLPack, through which xgrammar reads them, cannot export read-only arrays).
         """
         if self._arrays is None:
             shape = (self.batch, self.nodes)
@@ -221,7 +226,7 @@ class GrammarTree:
                 for position, host in zip(positions, staged.resolve(), strict=True):
                     slots[position] = _as_int64(host, shape)
             if self._chain:
-                slots[0], slots[1] = (a.copy() for a in _chain_links(self.batch, self.nodes))
+                slots[0], slots[1] = _chain_links(self.batch, self.nodes)
             self._arrays = tuple(slots)  # type: ignore[assignment]
             self._staged = []
         return self._arrays  # type: ignore[return-value]
@@ -290,8 +295,6 @@ def _chain_links(batch: int, nodes: int) -> tuple[np.ndarray, np.ndarray]:
             np.append(np.arange(1, nodes, dtype=np.int64), -1), (batch, nodes)
         ).copy()
         next_sibling = np.full((batch, nodes), -1, dtype=np.int64)
-        for a in (next_token, next_sibling):
-            a.flags.writeable = False
         if len(_chain_links_cache) > 64:
             _chain_links_cache.clear()
         _chain_links_cache[key] = links = (next_token, next_sibling)
