@@ -127,44 +127,86 @@ def validate_links(next_token: np.ndarray, next_sibling: np.ndarray) -> Topology
 
 
 # -- errors (shared by both implementations; computed only once something is wrong) ----------
-def _raise_first_error(next_token: np.ndarray, next_sibling: np.ndarray) -> None:
-    """Find the first problem of a tree known to be malformed and raise it."""
-    batch, nodes = next_token.shape
-    for name, links in ((_NT, next_token), (_NS, next_sibling)):
-        bad = (links < -1) | (links >= nodes)
-        if bad.any():
-            b, j = (int(x) for x in np.argwhere(bad)[0])
+def _explain_request(b: int, nt: list[int], ns: list[int]) -> None:
+    """Raise the first problem of request ``b`` (links as lists) if it has one.
+
+    Order: links out of range, links to the root, a sibling of the root, two links into one
+    node; cycles are found by the walk in :func:`_walk_request`.
+    """
+    nodes = len(nt)
+    for name, links in ((_NT, nt), (_NS, ns)):
+        for j, v in enumerate(links):
+            if not -1 <= v < nodes:
+                raise ValueError(
+                    f"{name}[{b}, {j}] = {v} is outside [-1, {nodes}) "
+                    f"(links are local node indices, -1 for none)"
+                )
+    for name, links in ((_NT, nt), (_NS, ns)):
+        if 0 in links:
             raise ValueError(
-                f"{name}[{b}, {j}] = {int(links[b, j])} is outside [-1, {nodes}) "
-                f"(links are local node indices, -1 for none)"
-            )
-    for name, links in ((_NT, next_token), (_NS, next_sibling)):
-        if (links == 0).any():
-            b, j = (int(x) for x in np.argwhere(links == 0)[0])
-            raise ValueError(
-                f"{name}[{b}, {j}] = 0 links the root (node 0) into the tree; "
+                f"{name}[{b}, {links.index(0)}] = 0 links the root (node 0) into the tree; "
                 "node 0 is the committed token and has no parent"
             )
-    if (next_sibling[:, 0] != -1).any():
-        b = int(np.flatnonzero(next_sibling[:, 0] != -1)[0])
-        raise ValueError(
-            f"{_NS}[{b}, 0] = {int(next_sibling[b, 0])}: the root (node 0) cannot have a sibling"
-        )
-    for b in range(batch):
-        targets = np.concatenate((next_token[b], next_sibling[b]))
-        counts = np.bincount(targets[targets >= 0], minlength=nodes)
-        if counts.max(initial=0) > 1:
-            j = int(np.flatnonzero(counts > 1)[0])
+    if ns[0] != -1:
+        raise ValueError(f"{_NS}[{b}, 0] = {ns[0]}: the root (node 0) cannot have a sibling")
+    seen: set[int] = set()
+    for v in [*nt, *ns]:
+        if v > 0 and v in seen:
             holders = [
                 f"{name}[{b}, {k}]"
-                for name, links in ((_NT, next_token), (_NS, next_sibling))
-                for k in np.flatnonzero(links[b] == j).tolist()
+                for name, links in ((_NT, nt), (_NS, ns))
+                for k, x in enumerate(links)
+                if x == v
             ]
             raise ValueError(
-                f"node {j} of request {b} has two parents: it is linked from "
+                f"node {v} of request {b} has two parents: it is linked from "
                 f"{' and '.join(holders)}"
             )
-    raise AssertionError("_raise_first_error called on a tree without a local defect")
+        seen.add(v)
+
+
+def _walk_request(b: int, nt: list[int], ns: list[int]) -> tuple[list[int], list[int]]:
+    """Check request ``b`` and return its walk order (parents first) and local parents."""
+    nodes = len(nt)
+    if (
+        min(nt) < -1
+        or max(nt) >= nodes
+        or min(ns) < -1
+        or max(ns) >= nodes
+        or ns[0] != -1
+        or 0 in nt
+        or 0 in ns
+    ):
+        _explain_request(b, nt, ns)
+    linked = [x for x in nt if x > 0]
+    linked += [x for x in ns if x > 0]
+    linked_set = set(linked)
+    if len(linked_set) != len(linked):
+        _explain_request(b, nt, ns)
+    # With at most one link into every node and none into the root, a walk from the root
+    # visits each node at most once: it cannot loop.
+    parent = [-1] * nodes
+    order = [0]
+    append = order.append
+    i = 0
+    while i < len(order):
+        v = order[i]
+        i += 1
+        c = nt[v]
+        while c != -1:
+            parent[c] = v
+            append(c)
+            c = ns[c]
+    if len(order) < nodes:
+        _check_unreachable_acyclic(b, nt, ns, order, linked_set)
+    return order, parent
+
+
+def _raise_first_error(next_token: np.ndarray, next_sibling: np.ndarray) -> None:
+    """Raise the first problem, in request order, of links known to be malformed."""
+    for b, (nt, ns) in enumerate(zip(next_token.tolist(), next_sibling.tolist(), strict=True)):
+        _walk_request(b, nt, ns)
+    raise AssertionError("_raise_first_error called on links without a defect")
 
 
 def _raise_cycle(b: int, j: int) -> None:
@@ -177,43 +219,10 @@ def _raise_cycle(b: int, j: int) -> None:
 # -- small trees: plain Python over lists -------------------------------------------------------
 def _validate_lists(next_token: np.ndarray, next_sibling: np.ndarray) -> Topology:
     batch, nodes = next_token.shape
-    nt_all = next_token.tolist()
-    ns_all = next_sibling.tolist()
     orders: list[list[int]] = []
     parents: list[list[int]] = []
-    for b in range(batch):
-        nt, ns = nt_all[b], ns_all[b]
-        if (
-            min(nt) < -1
-            or max(nt) >= nodes
-            or min(ns) < -1
-            or max(ns) >= nodes
-            or ns[0] != -1
-            or 0 in nt
-            or 0 in ns
-        ):
-            _raise_first_error(next_token, next_sibling)
-        linked = [x for x in nt if x > 0]
-        linked += [x for x in ns if x > 0]
-        linked_set = set(linked)
-        if len(linked_set) != len(linked):
-            _raise_first_error(next_token, next_sibling)
-        # With at most one link into every node and none into the root, a walk from the root
-        # visits each node at most once: it cannot loop.
-        parent = [-1] * nodes
-        order = [0]
-        append = order.append
-        i = 0
-        while i < len(order):
-            v = order[i]
-            i += 1
-            c = nt[v]
-            while c != -1:
-                parent[c] = v
-                append(c)
-                c = ns[c]
-        if len(order) < nodes:
-            _check_unreachable_acyclic(b, nt, ns, order, linked_set)
+    for b, (nt, ns) in enumerate(zip(next_token.tolist(), next_sibling.tolist(), strict=True)):
+        order, parent = _walk_request(b, nt, ns)
         orders.append(order)
         parents.append(parent)
     return Topology(batch, nodes, orders=tuple(orders), local_parents=tuple(parents))
@@ -297,8 +306,7 @@ def _validate_numpy(next_token: np.ndarray, next_sibling: np.ndarray) -> Topolog
     # (a self-link is a row that is its own predecessor: it has an incoming link).
     cyclic = (incoming > 0)[top[:total]]
     if cyclic.any():
-        b, j = divmod(int(np.flatnonzero(cyclic)[0]), nodes)
-        _raise_cycle(b, j)
+        _raise_first_error(next_token, next_sibling)
     reachable = top[:total] == np.repeat(offsets[:, 0], nodes)
 
     # A first child's parent is the row linking to it; a later sibling shares the parent of
