@@ -203,3 +203,23 @@ class FailingMatcher(ProtocolMatcher):
     def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> bool:
         self._maybe_fail("fill")
         return super().fill_next_token_bitmask(bitmask, index)
+
+
+def assert_mask_matches(case: Any, grammar_words: int, mask: np.ndarray | None) -> None:
+    """The builder's mask for a drawn case (``_cases.Case``) equals the oracle's, bit for bit
+    (``None`` exactly when no request has a grammar)."""
+    if all(r is None for r in case.requests):
+        assert mask is None
+        return
+    want = expected_mask(
+        case.requests,
+        case.next_token,
+        case.next_sibling,
+        case.draft,
+        case.vocab_size,
+        grammar_words,
+    )
+    assert mask is not None and mask.dtype == np.int32
+    assert mask.shape == want.shape
+    bad = np.flatnonzero((mask != want).any(axis=1))
+    assert bad.size == 0, f"rows differing from the oracle: {bad.tolist()}"

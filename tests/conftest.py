@@ -86,6 +86,25 @@ def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
+# -- the end-to-end demo ---------------------------------------------------------------------
+def require_backends(request: pytest.FixtureRequest, *backends: str) -> None:
+    """Skip unless every backend ("jax", "torch") is among ``--backend`` selections (none
+    given: all run)."""
+    wanted = request.config.getoption("backend", default=None) or []
+    for backend in backends:
+        aliases = ("torch", "cuda") if backend == "torch" else ("jax",)
+        if wanted and not any(w.split("-")[0] in aliases for w in wanted):
+            pytest.skip(f"{backend} not selected by --backend")
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    """SmolLM2's tokenizer, rebuilt from the GGUF."""
+    from portable_spec.demo.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
 # -- the cross-backend matrix ------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     from _targets import TARGETS

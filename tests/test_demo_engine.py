@@ -9,32 +9,18 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from conftest import require_backends
 
 from portable_spec.demo.constraints import load_constraint
 from portable_spec.demo.drafters import NgramDrafter, SelfDrafter
 from portable_spec.demo.engine import generate, required_max_len
 from portable_spec.demo.grammars import PERSON_SCHEMA, REGEX_DATE_EMAIL
 from portable_spec.demo.models import build_model, precision
-from portable_spec.demo.tokenizer import load_tokenizer
 
 pytest.importorskip("gguf")
 
 MAX_LEN = 256
 SHORT = 14  # tokens per equivalence run: enough for several multi-token steps
-
-
-def _require(request, *backends):
-    """Skip unless every backend is among ``--backend`` selections (none given: all run)."""
-    wanted = request.config.getoption("backend", default=None) or []
-    for backend in backends:
-        aliases = ("torch", "cuda") if backend == "torch" else ("jax",)
-        if wanted and not any(w.split("-")[0] in aliases for w in wanted):
-            pytest.skip(f"{backend} not selected by --backend")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +54,7 @@ def _drafter(name, nodes):
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_speculative_equals_plain_decoding_float64(request, models, tok, person, backend):
-    _require(request, backend)
+    require_backends(request, backend)
     prompt = _prompt(tok, person.default_prompt)
     assert required_max_len(len(prompt), SHORT, 4) <= MAX_LEN
     with precision(backend, "float64"):
@@ -98,7 +84,7 @@ def test_speculative_equals_plain_decoding_float64(request, models, tok, person,
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_finished_output_validates_against_the_schema(request, models, tok, person, backend):
-    _require(request, backend)
+    require_backends(request, backend)
     prompt = _prompt(tok, person.default_prompt)
     matcher = person.matcher()
     with precision(backend, "float32"):
@@ -120,7 +106,7 @@ def test_finished_output_validates_against_the_schema(request, models, tok, pers
 
 
 def test_regex_output_matches_and_budget_is_respected(request, models, tok):
-    _require(request, "torch")
+    require_backends(request, "torch")
     constraint = load_constraint(regex=REGEX_DATE_EMAIL)
     prompt = _prompt(tok, constraint.default_prompt)
     with precision("torch", "float32"):
@@ -148,7 +134,7 @@ def test_regex_output_matches_and_budget_is_respected(request, models, tok):
 
 
 def test_cache_too_small_is_refused(request, models, tok, person):
-    _require(request, "torch")
+    require_backends(request, "torch")
     prompt = _prompt(tok, person.default_prompt)
     with precision("torch", "float32"), pytest.raises(ValueError, match="positions"):
         generate(

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import require_backends
 
 from portable_spec import GrammarTree
 from portable_spec.demo.models import build_model, precision
-from portable_spec.demo.tokenizer import load_tokenizer
 from portable_spec.demo.weights import load_weights, unpermute_rows
 
 pytest.importorskip("gguf")
 
 MAX_LEN = 192
-
-
-def _require(request, *backends):
-    """Skip unless every backend is among ``--backend`` selections (none given: all run)."""
-    wanted = request.config.getoption("backend", default=None) or []
-    for backend in backends:
-        aliases = ("torch", "cuda") if backend == "torch" else ("jax",)
-        if wanted and not any(w.split("-")[0] in aliases for w in wanted):
-            pytest.skip(f"{backend} not selected by --backend")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +66,7 @@ def test_unpermute_undoes_the_converters_row_interleaving():
 
 
 def test_greedy_answer_is_coherent(request, models, tok, prompt):
-    _require(request, "torch")
+    require_backends(request, "torch")
     """A wrong RoPE layout or a broken forward does not answer this."""
     model = models("torch", "float32")
     model.reset()
@@ -97,7 +83,7 @@ def test_greedy_answer_is_coherent(request, models, tok, prompt):
 
 @pytest.mark.parametrize("dtype,atol", [("float32", 2e-3), ("float64", 1e-9)])
 def test_jax_and_torch_logits_agree(request, models, prompt, dtype, atol):
-    _require(request, "jax", "torch")
+    require_backends(request, "jax", "torch")
     got = {}
     for backend in ("jax", "torch"):
         with precision(backend, dtype):
@@ -113,7 +99,7 @@ def test_jax_and_torch_logits_agree(request, models, prompt, dtype, atol):
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_tree_attention_and_compaction_match_sequential_decoding(request, models, prompt, backend):
-    _require(request, backend)
+    require_backends(request, backend)
     """Tree root r with children a, b and a's child c: every node's logits equal a causal
     forward of its root path; after compacting r, a, c into the cache, the next token's
     logits equal those of the straight sequence."""
@@ -164,7 +150,7 @@ def _ancestors(next_token, next_sibling):
 
 
 def test_self_draft_tree_is_built_on_device_and_agrees_across_backends(request, models, prompt):
-    _require(request, "jax", "torch")
+    require_backends(request, "jax", "torch")
     trees = {}
     for backend in ("jax", "torch"):
         with precision(backend, "float64"):
