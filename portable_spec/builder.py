@@ -273,12 +273,10 @@ def _xgrammar_repaired_job(
     compiled helper (both release the GIL)."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
-    # A terminated matcher gets row 0 zeroed by the traversal; the repair reads that off row 0
-    # (-1), which saves asking the matcher first.
-    matcher.traverse_draft_tree(*links, target)
+    live = walk_xgrammar(matcher, *links, target)
     if target is not block:
         _copy_rows(block, target, info.words, None)
-    compiled.native.repair_rows(block, *links, limit, info.stop_ids, -1)  # type: ignore[union-attr]
+    compiled.native.repair_rows(block, *links, limit, info.stop_ids, int(live))  # type: ignore[union-attr]
 
 
 def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:
