@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,6 @@ class HostBuffer:
     array: np.ndarray
     block: np.ndarray
     owner: Any
-    pool: HostBufferPool = field(repr=False)
 
 
 class _Lease:
@@ -140,7 +139,7 @@ class HostBufferPool:
                 self._allocated_bytes += block.nbytes
                 self._allocations += 1
         array = block[: count * dtype.itemsize].view(dtype).reshape(shape)
-        return HostBuffer(array=array, block=block, owner=owner, pool=self)
+        return HostBuffer(array=array, block=block, owner=owner)
 
     def release(self, buffer: HostBuffer) -> None:
         """Return a buffer nobody else has seen (not uploaded, not lent)."""
