@@ -105,6 +105,28 @@ def tok() -> Any:
     return load_tokenizer()
 
 
+# KV cache positions of the demo models built for the tests
+DEMO_MAX_LEN = 256
+
+
+@pytest.fixture(scope="session")
+def models() -> Any:
+    """``get(backend, dtype)``: the demo model of each backend and dtype, built once per
+    session on first use; use a model inside ``precision(backend, dtype)``."""
+    from portable_spec.demo.models import build_model, precision
+
+    built: dict[tuple[str, str], object] = {}
+
+    def get(backend: str, dtype: str) -> object:
+        key = (backend, dtype)
+        if key not in built:
+            with precision(backend, dtype):
+                built[key] = build_model(backend, dtype, DEMO_MAX_LEN)
+        return built[key]
+
+    return get
+
+
 # -- the cross-backend matrix ------------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     from _targets import TARGETS

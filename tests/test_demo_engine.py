@@ -9,37 +9,23 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from conftest import require_backends
+from conftest import DEMO_MAX_LEN, require_backends
 
 from portable_spec.demo.constraints import load_constraint
 from portable_spec.demo.drafters import NgramDrafter, SelfDrafter
 from portable_spec.demo.engine import generate, required_max_len
 from portable_spec.demo.grammars import PERSON_SCHEMA, REGEX_DATE_EMAIL
-from portable_spec.demo.models import build_model, precision
+from portable_spec.demo.models import precision
 
 pytest.importorskip("gguf")
 
-MAX_LEN = 256
+MAX_LEN = DEMO_MAX_LEN
 SHORT = 14  # tokens per equivalence run: enough for several multi-token steps
 
 
 @pytest.fixture(scope="module")
 def person():
     return load_constraint()
-
-
-@pytest.fixture(scope="module")
-def models():
-    built: dict[tuple[str, str], object] = {}
-
-    def get(backend: str, dtype: str):
-        key = (backend, dtype)
-        if key not in built:
-            with precision(backend, dtype):
-                built[key] = build_model(backend, dtype, MAX_LEN)
-        return built[key]
-
-    return get
 
 
 def _prompt(tok, text):

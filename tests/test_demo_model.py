@@ -8,32 +8,15 @@ import pytest
 from conftest import require_backends
 
 from portable_spec import GrammarTree
-from portable_spec.demo.models import build_model, precision
+from portable_spec.demo.models import precision
 from portable_spec.demo.weights import load_weights, unpermute_rows
 
 pytest.importorskip("gguf")
-
-MAX_LEN = 192
 
 
 @pytest.fixture(scope="module")
 def prompt(tok):
     return tok.encode(tok.chat_prompt("What is the capital of France?"))
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Both backends in both dtypes, built lazily; models must be used inside precision()."""
-    built: dict[tuple[str, str], object] = {}
-
-    def get(backend: str, dtype: str):
-        key = (backend, dtype)
-        if key not in built:
-            with precision(backend, dtype):
-                built[key] = build_model(backend, dtype, MAX_LEN)
-        return built[key]
-
-    return get
 
 
 def _chunk_logits(model, tokens, start):
