@@ -63,7 +63,7 @@ def build_grammar_vocab_mask(
     words = words_for(check_vocab_size(vocab_size))
     rows = tree.batch * tree.nodes
     capacity = rows if row_capacity is None else _check_capacity(row_capacity, rows)
-    buffer = backend.acquire_host_mask(capacity, words)
+    buffer = backend.acquire_host_mask(capacity, words, placement)
     try:
         mask = build_host_bitmask(grammars, tree, vocab_size, out=buffer.array[:rows])
     except BaseException:

@@ -108,12 +108,14 @@ class Backend(ABC):
 
     # -- host buffers / upload -------------------------------------------------------------------
     @abstractmethod
-    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
-        """Lend an int32 host buffer of shape ``[rows, words]`` suited to fast uploads.
+    def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
+        """Lend an int32 host buffer of shape ``[rows, words]`` suited to an upload to ``device``.
 
-        The buffer's contents are undefined. It comes from a pool and is never one that a
-        previous :meth:`upload` may still be reading, or that a previously returned array may
-        still alias. Return it with :meth:`release_host_mask` if it is not uploaded.
+        ``device`` is the placement the buffer will be passed to :meth:`upload` with (so a
+        backend can pick pinned memory for accelerators and pageable memory for host
+        destinations). The buffer's contents are undefined. It comes from a pool and is never
+        one that a previous :meth:`upload` may still be reading, or that a previously returned
+        array may still alias. Return it with :meth:`release_host_mask` if it is not uploaded.
         """
 
     @abstractmethod
@@ -127,6 +129,8 @@ class Backend(ABC):
         Returns this framework's array of shape ``[rows, words]``, dtype int32. The buffer is
         reused for a later step only once the transfer has completed and no returned array
         aliases it any more. ``device=None`` means the framework's default placement.
+
+        If it raises, the buffer has gone back to the pool (the caller must not release it).
         """
 
     # -- apply -----------------------------------------------------------------------------------

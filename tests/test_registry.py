@@ -115,7 +115,7 @@ def test_entry_point_plugin(tmp_path):
                             return [np.asarray(x.a) for x in arrays]
                     return Ready()
 
-                def acquire_host_mask(self, rows, words):
+                def acquire_host_mask(self, rows, words, device=None):
                     return self.pool.acquire((rows, words))
 
                 def release_host_mask(self, buffer):

@@ -55,7 +55,7 @@ class TorchBackend(Backend):
             )
         return array.detach().numpy()
 
-    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
+    def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
         return self.pool.acquire((rows, words), np.int32)
 
     def release_host_mask(self, buffer: HostBuffer) -> None:

@@ -48,7 +48,7 @@ class JaxBackend(Backend):
         """Non-blocking: see :func:`portable_spec.backends.jax.staging.stage_arrays`."""
         return stage_arrays(arrays)
 
-    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
+    def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
         return self.pool.acquire((rows, words), np.int32)
 
     def release_host_mask(self, buffer: HostBuffer) -> None:

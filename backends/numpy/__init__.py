@@ -50,7 +50,7 @@ class NumpyBackend(Backend):
     def to_host(self, array: Any) -> np.ndarray:
         return np.asarray(array)
 
-    def acquire_host_mask(self, rows: int, words: int) -> HostBuffer:
+    def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
         return self.pool.acquire((rows, words), np.int32)
 
     def release_host_mask(self, buffer: HostBuffer) -> None:
