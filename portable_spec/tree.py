@@ -153,7 +153,8 @@ class GrammarTree:
             picked = [i for i, b in enumerate(backends) if b is backend]
             staged.append((picked, backend.stage([arrays[i] for i in picked])))
         primary = _primary(backends)
-        device = primary.device_of(arrays[backends.index(primary)])
+        mine = [a for a, b in zip(arrays, backends, strict=True) if b is primary]
+        device = _first_device(primary, mine)
         return cls(staged, batch, nodes, primary, chain=False, device=device)
 
     @classmethod
@@ -266,6 +267,16 @@ class GrammarTree:
             f"GrammarTree({kind}, batch={self.batch}, nodes={self.nodes}, "
             f"backend={self._backend.name!r}, {state})"
         )
+
+
+def _first_device(backend: Backend, arrays: Sequence[Any]) -> Any:
+    """Where the first of ``arrays`` that lives on a device is (None if all are host arrays):
+    a CPU tensor listed before a CUDA one must not send the mask to the CPU."""
+    for array in arrays:
+        device = backend.device_of(array)
+        if device is not None:
+            return device
+    return None
 
 
 def _primary(backends: list[Backend]) -> Backend:

@@ -176,3 +176,65 @@ def test_register_backend_checks():
 
     with pytest.raises(ValueError, match="must set both `name` and `framework`"):
         ps.register_backend(Nameless)
+
+
+class _PlacedArray:
+    """An array of a made-up framework: host data plus where it lives (None: host)."""
+
+    def __init__(self, data, device=None):
+        self.data = np.asarray(data)
+        self.device = device
+
+
+class _PlacedBackend(ps.Backend):
+    name = "placed-test"
+    framework = "numpy"
+
+    def __init__(self):
+        self.pool = ps.HostBufferPool()
+
+    def owns(self, obj):
+        return isinstance(obj, _PlacedArray)
+
+    def array_info(self, array):
+        return ps.ArrayInfo(array.data.shape, array.data.dtype, array.data.dtype.kind in "iu")
+
+    def device_of(self, array):
+        return array.device
+
+    def stage(self, arrays):
+        data = [a.data for a in arrays]
+
+        class Ready:
+            def resolve(self):
+                return data
+
+        return Ready()
+
+    def acquire_host_mask(self, rows, words, device=None):
+        return self.pool.acquire((rows, words))
+
+    def release_host_mask(self, buffer):
+        self.pool.release(buffer)
+
+    def upload(self, buffer, device=None):
+        return _PlacedArray(self.pool.lend(buffer), device)
+
+    def apply_vocab_mask(self, logits, mask):
+        return logits
+
+
+def test_tree_device_is_the_first_array_that_has_one():
+    """Mixed host and device arrays of one framework (a CPU tensor first, then CUDA ones):
+    the tree's device, where its mask goes, is the first array's that lives on a device."""
+    ps.register_backend(_PlacedBackend)
+    host = _PlacedArray([[1, -1]])
+    placed = _PlacedArray([[-1, -1]], device="npu:3")
+    tree = ps.GrammarTree.from_device(host, placed, _PlacedArray([[0, 5]], device="npu:3"))
+    assert tree.backend.name == "placed-test"
+    assert tree.device == "npu:3"
+    mask = ps.build_grammar_vocab_mask([None], tree, 64, row_capacity=2)
+    if mask is not None:  # with a capacity, the all-allowed mask goes where the tree lives
+        assert mask.device == "npu:3"
+    all_host = ps.GrammarTree.from_device(host, _PlacedArray([[-1, -1]]), _PlacedArray([[0, 5]]))
+    assert all_host.device is None

@@ -1,7 +1,8 @@
 """The torch backend: CUDA (the reference target), other torch accelerators, and CPU tensors.
 
 stage   pinned ``non_blocking`` device-to-host copies on the current stream + one event
-upload  pooled pinned buffer -> ``non_blocking`` host-to-device copy, reused after its event
+upload  pooled pinned buffer -> ``non_blocking`` copy on a dedicated copy stream; the current
+        stream waits on its event; the buffer is reused after that event
 apply   xgrammar's ``apply_token_bitmask_inplace`` kernels, in place
 """
 
@@ -14,14 +15,14 @@ import numpy as np
 import torch
 
 from portable_spec.backend import ArrayInfo, Backend
-from portable_spec.hostbuffers import HostBuffer
+from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 
 from .apply import apply_vocab_mask_torch
 from .buffers import PinnedPool
 from .staging import TorchStaged, stage_tensors
-from .upload import resolve_device, upload_mask
+from .upload import mask_ready_event, resolve_device, upload_mask
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "apply_vocab_mask_torch", "mask_ready_event"]
 
 
 class TorchBackend(Backend):
@@ -31,7 +32,10 @@ class TorchBackend(Backend):
     framework = "torch"
 
     def __init__(self) -> None:
+        #: page-locked blocks: staging copies and uploads to accelerators
         self.pool = PinnedPool()
+        #: pageable blocks: masks whose destination is the CPU
+        self.host_pool = HostBufferPool()
 
     def owns(self, obj: Any) -> bool:
         return isinstance(obj, (torch.Tensor, torch.device))
@@ -56,18 +60,27 @@ class TorchBackend(Backend):
         return array.detach().numpy()
 
     def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
-        return self.pool.acquire((rows, words), np.int32)
+        """Pinned for an accelerator ``device``, pageable for the CPU (``None``)."""
+        pool = self.host_pool if resolve_device(device).type == "cpu" else self.pool
+        return pool.acquire((rows, words), np.int32)
 
     def release_host_mask(self, buffer: HostBuffer) -> None:
-        self.pool.release(buffer)
+        (self.host_pool if buffer.owner is None else self.pool).release(buffer)
 
     def upload(self, buffer: HostBuffer, device: Any = None) -> torch.Tensor:
-        """Non-blocking ``non_blocking=True`` copy from pinned memory; see
-        :func:`portable_spec.backends.cuda.upload.upload_mask`. ``device=None``: CPU."""
-        return upload_mask(buffer, resolve_device(device), self.pool)
+        """Non-blocking copy on the device's copy stream, ordered before later work on the
+        current stream; see :func:`portable_spec.backends.cuda.upload.upload_mask`.
+        ``device=None``: the CPU (the pageable buffer itself, no copy)."""
+        try:
+            target = resolve_device(device)
+        except BaseException:
+            self.release_host_mask(buffer)
+            raise
+        return upload_mask(buffer, target, self.pool, self.host_pool)
 
     def apply_vocab_mask(self, logits: Any, mask: Any) -> torch.Tensor:
-        """In place, asynchronous on accelerators; returns ``logits``."""
+        """In place, asynchronous on accelerators (queued on the logits' device's current
+        stream, after the mask's upload); returns ``logits``."""
         return apply_vocab_mask_torch(logits, mask)
 
     def describe(self) -> str:

@@ -1,23 +1,43 @@
-"""``apply_vocab_mask`` for torch logits: xgrammar's kernels (CPU, Triton/CUDA, torch)."""
+"""``apply_vocab_mask`` for torch logits: xgrammar's kernels (CPU, Triton, CUDA, torch)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-__all__ = ["apply_vocab_mask_torch"]
+from .devices import device_guard, device_module
+from .upload import wait_until_ready
+
+__all__ = ["MAX_KERNEL_ELEMENTS", "apply_vocab_mask_torch"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# xgrammar's Triton and CUDA kernels compute element offsets in 32-bit integers
+# (row * row_stride + column): larger logits are applied in row chunks below this bound.
+MAX_KERNEL_ELEMENTS = 2**31 - 1
+
+Kernel = Literal["auto", "triton", "cuda", "cpu", "torch_native"]
 
 
-def apply_vocab_mask_torch(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def apply_vocab_mask_torch(
+    logits: torch.Tensor, mask: torch.Tensor, *, kernel: Kernel = "auto"
+) -> torch.Tensor:
     """Set ``logits[i, t] = -inf`` where bit ``t`` of ``mask[i]`` is 0, in place.
 
-    ``logits``: ``[rows, vocab]`` or ``[vocab]``, any floating dtype, any strides. ``mask``:
-    int32 ``[rows, words]`` or ``[words]`` on the same device. Columns past
-    ``32 * words`` are left unchanged; mask words past the logits' width are ignored.
-    float32/float16/bfloat16 use xgrammar's native kernels (C++ on CPU, Triton on CUDA);
-    other dtypes (float64) use xgrammar's torch implementation. Asynchronous on accelerators.
-    Returns ``logits``.
+    Args:
+        logits: ``[rows, vocab]`` or ``[vocab]``, any floating dtype, any strides.
+        mask: int32 ``[rows, words]`` or ``[words]`` on the same device. Columns past
+            ``32 * words`` are left unchanged; mask words past the logits' width are ignored.
+        kernel: xgrammar's implementation to use: ``"auto"`` (C++ on CPU, Triton on CUDA,
+            xgrammar's torch code for dtypes its kernels lack, such as float64), or one of
+            ``"triton"``, ``"cuda"`` (compiled with nvcc on first use), ``"cpu"``,
+            ``"torch_native"``.
+
+    Returns:
+        ``logits``. Asynchronous on accelerators: queued on the current stream of the
+        logits' device (made current for the launch, whatever device is current), after the
+        mask's upload if the mask came from this backend. Logits of 2^31 elements or more
+        are processed in row chunks (the kernels' offsets are 32-bit).
     """
     import xgrammar as xgr
 
@@ -36,12 +56,44 @@ def apply_vocab_mask_torch(logits: torch.Tensor, mask: torch.Tensor) -> torch.Te
             f"logits {tuple(logits.shape)} and mask {tuple(mask.shape)} must be [rows, vocab] "
             "and [rows, words] with the same rows"
         )
-    covered = min(logits.shape[-1], 32 * mask.shape[-1])
-    backend = "auto" if logits.dtype in _KERNEL_DTYPES else "torch_native"
-    # xgrammar 0.2.9's CPU kernel reads both tensors as if they were contiguous (it ignores
-    # the strides it is given), so strided inputs go through contiguous copies.
-    work = logits if logits.is_contiguous() else logits.contiguous()
-    xgr.apply_token_bitmask_inplace(work, mask.contiguous(), vocab_size=covered, backend=backend)
-    if work is not logits:
-        logits.copy_(work)
+    if kernel not in ("auto", "triton", "cuda", "cpu", "torch_native"):
+        raise ValueError(f"unknown kernel {kernel!r}")
+    # The kernels read a [words] mask with its row stride (1) as its width: one row each.
+    logits_2d = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    mask_2d = mask.unsqueeze(0) if mask.dim() == 1 else mask
+    covered = min(logits_2d.shape[1], 32 * mask_2d.shape[1])
+    if covered == 0 or logits_rows == 0:
+        return logits
+    mask_2d = mask_2d[:, : -(-covered // 32)]  # the CUDA kernel refuses wider masks
+    if kernel == "auto" and logits.dtype not in _KERNEL_DTYPES:
+        kernel = "torch_native"
+    accelerator = device_module(logits.device)
+    if accelerator is not None:
+        wait_until_ready(mask, accelerator.current_stream(logits.device))
+    with device_guard(logits.device):
+        work = _kernel_layout(logits_2d, kernel)
+        if mask_2d.stride(-1) != 1 or (logits.device.type == "cpu" and not mask_2d.is_contiguous()):
+            mask_2d = mask_2d.contiguous()
+        step = max(1, MAX_KERNEL_ELEMENTS // max(work.stride(0), work.shape[1], 1))
+        for start in range(0, work.shape[0], step):
+            xgr.apply_token_bitmask_inplace(
+                work[start : start + step],
+                mask_2d[start : start + step],
+                vocab_size=covered,
+                backend=kernel,
+            )
+        if work is not logits_2d:
+            logits_2d.copy_(work)
     return logits
+
+
+def _kernel_layout(logits: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``logits`` itself when the kernel can read its strides, else a contiguous copy.
+
+    The GPU kernels take a row stride and need unit column stride; xgrammar 0.2.9's CPU
+    kernel reads both tensors as if they were contiguous (it ignores the strides it is
+    given).
+    """
+    if logits.device.type == "cpu" or kernel in ("cpu", "torch_native"):
+        return logits if logits.is_contiguous() else logits.contiguous()
+    return logits if logits.stride(1) == 1 else logits.contiguous()

@@ -1,4 +1,15 @@
-"""Upload a pinned host bitmask to a torch device without blocking."""
+"""Upload a host bitmask to a torch device without blocking, on a dedicated copy stream.
+
+Ordering, for an engine that launches its verify forward and then builds the mask::
+
+    compute stream   | verify forward ............................ | wait(ready) | sampler |
+    copy stream      |        (host builds the mask) | H2D mask copy ^ ready   |
+
+The copy runs on the library's copy stream, so it overlaps the forward instead of queueing
+behind it. The stream that was current at upload time waits on the copy's ``ready`` event
+(enqueued, not blocking the host), so every kernel queued on it afterwards (the sampler)
+sees the mask. ``apply_vocab_mask`` on another stream makes that stream wait too.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +17,106 @@ from typing import Any
 
 import torch
 
-from portable_spec.hostbuffers import HostBuffer
+from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 
 from .buffers import PinnedPool, as_tensor
-from .devices import current_stream_event
+from .devices import copy_stream, device_module
 
-__all__ = ["upload_mask"]
+__all__ = ["mark_ready", "mask_ready_event", "resolve_device", "upload_mask", "wait_until_ready"]
+
+# Attributes set on an uploaded mask tensor: the event after its copy, and the stream that
+# was made to wait on it.
+_READY = "_portable_spec_ready"
+_WAITER = "_portable_spec_waiter"
 
 
-def upload_mask(buffer: HostBuffer, device: torch.device, pool: PinnedPool) -> torch.Tensor:
-    """Copy ``buffer`` to ``device`` with ``non_blocking=True`` on the current stream.
+def upload_mask(
+    buffer: HostBuffer, device: torch.device, pinned: PinnedPool, pageable: HostBufferPool
+) -> torch.Tensor:
+    """Start the copy of ``buffer`` to ``device`` and return the device tensor at once.
 
-    The copy is ordered before any kernel queued after it on that stream (the sampler that
-    applies the mask). The pinned buffer is reused only once an event recorded after the copy
-    has completed. For ``device`` = CPU the pinned tensor itself is returned (no copy); it
-    returns to the pool when that tensor and all its views are gone.
+    ``buffer`` comes from ``pinned`` (accelerator destinations) or ``pageable`` (CPU). For an
+    accelerator, the copy is queued with ``non_blocking=True`` on the device's copy stream
+    (:func:`portable_spec.backends.cuda.devices.copy_stream`); an event recorded after it
+    returns the pinned buffer to its pool once it fired, the current stream is made to wait
+    for it, and the mask is ``record_stream``-ed on the current stream. For the CPU, the
+    pageable buffer itself is returned (no copy); it goes back to its pool when the tensor
+    and all its views are gone. If this raises, the buffer is back in its pool.
     """
     if device.type == "cpu":
-        return torch.from_numpy(pool.lend(buffer))
-    host = as_tensor(buffer)
-    mask = host.to(device, non_blocking=True)
-    event = current_stream_event(device)
-    if event is None:  # no events: the copy above was synchronous
-        pool.release(buffer)
-    else:
-        pool.after(buffer, event.query, event.synchronize)
+        if buffer.owner is not None:  # a pinned block: never hand one to the caller
+            host = torch.from_numpy(pageable_copy(buffer, pageable))
+            pinned.release(buffer)
+            return host
+        return torch.from_numpy(pageable.lend(buffer))
+    module = device_module(device)
+    if buffer.owner is None:  # a pageable block for an accelerator: a synchronous copy
+        try:
+            return torch.from_numpy(buffer.array).to(device)
+        finally:
+            pageable.release(buffer)
+    try:
+        host = as_tensor(buffer)
+        stream = copy_stream(device) if module is not None else None
+        if stream is None:  # no streams: the copy is synchronous
+            mask = host.to(device)
+            pinned.release(buffer)
+            return mask
+        consumer = module.current_stream(device)  # type: ignore[union-attr]
+        with module.stream(stream):  # type: ignore[union-attr]
+            mask = host.to(device, non_blocking=True)
+            ready = module.Event()  # type: ignore[union-attr]
+            ready.record(stream)
+    except BaseException:
+        pinned.release(buffer)
+        raise
+    pinned.after(buffer, ready.query, ready.synchronize)
+    consumer.wait_event(ready)
+    mask.record_stream(consumer)
+    mark_ready(mask, ready, consumer)
     return mask
 
 
+def pageable_copy(buffer: HostBuffer, pool: HostBufferPool) -> Any:
+    """A copy of ``buffer.array`` in a block of ``pool``, lent to the caller."""
+    target = pool.acquire(buffer.array.shape, buffer.array.dtype)
+    target.array[...] = buffer.array
+    return pool.lend(target)
+
+
+def mark_ready(mask: torch.Tensor, ready: Any, waiter: Any) -> None:
+    """Remember on ``mask`` the event after its upload and the stream already waiting."""
+    setattr(mask, _READY, ready)
+    setattr(mask, _WAITER, waiter)
+
+
+def mask_ready_event(mask: torch.Tensor) -> Any | None:
+    """The event recorded after ``mask``'s upload (None for masks this backend did not upload
+    to an accelerator). An engine consuming the mask on a stream of its own can
+    ``stream.wait_event(event)``; :func:`apply_vocab_mask_torch` does it by itself."""
+    return getattr(mask, _READY, None)
+
+
+def wait_until_ready(mask: torch.Tensor, stream: Any) -> None:
+    """Make ``stream`` wait (on the device, not the host) for ``mask``'s upload, and keep the
+    mask's memory from reuse until ``stream``'s work on it is done. No-op for masks that were
+    not uploaded by this backend, and for the stream the upload already ordered."""
+    ready = getattr(mask, _READY, None)
+    if ready is None or stream is None or stream == getattr(mask, _WAITER, None):
+        return
+    stream.wait_event(ready)
+    mask.record_stream(stream)
+
+
 def resolve_device(device: Any) -> torch.device:
-    """``torch.device`` of a device argument (None means the current accelerator or CPU)."""
+    """``torch.device`` of a device argument (None means the CPU)."""
     if device is None:
         return torch.device("cpu")
-    return device if isinstance(device, torch.device) else torch.device(device)
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, (str, int)) and not isinstance(device, bool):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"{device!r} is not a torch device: {exc}") from None
+    raise TypeError(f"device must be a torch.device, a device string or None, got {device!r}")
