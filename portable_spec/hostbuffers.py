@@ -11,12 +11,17 @@ The pool covers both with one rule: a buffer goes back to the free list only whe
 array created from it has been garbage collected (frameworks keep the source array alive
 while a transfer reads it or while they alias it) and, where the backend recorded one, the
 completion event of its last copy has fired.
+
+Returns of lent blocks happen in ``weakref.finalize`` callbacks, which the garbage collector
+may run at any allocation, also in a thread that holds the pool's lock. They therefore take no
+lock: they append to a queue that the next locked operation drains.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +112,8 @@ class HostBufferPool:
         self._lent = 0
         self._allocated_bytes = 0
         self._allocations = 0
+        # lent blocks whose arrays died: (block, owner, done, wait); appended without a lock
+        self._returned: deque[tuple[np.ndarray, Any, Any, Any]] = deque()
 
     # -- lending -------------------------------------------------------------------------------
     def acquire(self, shape: tuple[int, ...], dtype: Any = np.int32) -> HostBuffer:
@@ -121,6 +128,7 @@ class HostBufferPool:
             count *= n
         nbytes = max(count * dtype.itemsize, 1)
         with self._lock:
+            self._drain_returned_locked()
             self._collect_finished_locked()
             block, owner = self._take_free_locked(nbytes)
             oldest = None
@@ -145,7 +153,7 @@ class HostBufferPool:
         """Return a buffer nobody else has seen (not uploaded, not lent)."""
         with self._lock:
             self._lent -= 1
-        self._give_back(buffer.block, buffer.owner)
+            self._give_back_locked(buffer.block, buffer.owner)
 
     def lend(
         self,
@@ -177,6 +185,7 @@ class HostBufferPool:
     def stats(self) -> dict[str, int]:
         """Counters: blocks free, lent, in flight, bytes allocated so far, allocations."""
         with self._lock:
+            self._drain_returned_locked()
             return {
                 "free": len(self._free),
                 "lent": self._lent,
@@ -193,23 +202,29 @@ class HostBufferPool:
         done: Callable[[], bool] | None,
         wait: Callable[[], None] | None,
     ) -> None:
-        if done is not None and wait is not None:
-            with self._lock:
-                self._lent -= 1
-                self._in_flight.append((block, owner, done, wait))
-            return
-        with self._lock:
+        # A finaliser: may run inside any locked section of this thread. No lock here.
+        self._returned.append((block, owner, done, wait))
+
+    def _drain_returned_locked(self) -> None:
+        while self._returned:
+            block, owner, done, wait = self._returned.popleft()
             self._lent -= 1
-        self._give_back(block, owner)
+            if done is not None and wait is not None:
+                self._in_flight.append((block, owner, done, wait))
+            else:
+                self._give_back_locked(block, owner)
 
     def _give_back(self, block: np.ndarray, owner: Any) -> None:
         with self._lock:
-            self._free.append((block, owner))
-            if len(self._free) > self._max_free:
-                # drop the smallest idle block: large ones are the expensive ones to fault in
-                smallest = min(range(len(self._free)), key=lambda i: self._free[i][0].nbytes)
-                dropped = self._free.pop(smallest)
-                self._allocated_bytes -= dropped[0].nbytes
+            self._give_back_locked(block, owner)
+
+    def _give_back_locked(self, block: np.ndarray, owner: Any) -> None:
+        self._free.append((block, owner))
+        if len(self._free) > self._max_free:
+            # drop the smallest idle block: large ones are the expensive ones to fault in
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i][0].nbytes)
+            dropped = self._free.pop(smallest)
+            self._allocated_bytes -= dropped[0].nbytes
 
     def _take_free_locked(self, nbytes: int) -> tuple[np.ndarray | None, Any]:
         best = -1

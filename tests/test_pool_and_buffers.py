@@ -180,3 +180,53 @@ def test_row_capacity_padding(smollm2):
         ps.build_grammar_vocab_mask([None, None], tree, smollm2.size, row_capacity=5)
     with pytest.raises(TypeError, match="row_capacity must be an int"):
         ps.build_grammar_vocab_mask([None, None], tree, smollm2.size, row_capacity=7.0)
+
+
+class _CollectingLock:
+    """A lock that runs a full garbage collection right after it is taken: the worst moment
+    for a finaliser to need the same lock."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        self.inner.acquire()
+        gc.collect()
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.release()
+
+
+def test_finaliser_returning_a_block_under_the_pool_lock_does_not_deadlock():
+    """A lent array held only by a reference cycle dies in a collection that runs while this
+    thread holds the pool's (non-reentrant) lock. Returning its block must not take that lock
+    again: the acquire below would block forever."""
+    pool = HostBufferPool()
+    gc.disable()
+    try:
+        lent = pool.lend(pool.acquire((4, 4)))
+
+        class Holder:
+            pass
+
+        holder = Holder()
+        holder.cycle = holder
+        holder.lent = lent
+        del holder, lent  # now garbage that only the cycle collector can free
+        pool._lock = _CollectingLock(pool._lock)
+        done = threading.Event()
+
+        def acquire_again():
+            buffer = pool.acquire((4, 4))
+            pool.release(buffer)
+            done.set()
+
+        worker = threading.Thread(target=acquire_again, daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert done.is_set(), "acquire deadlocked: a finaliser took the pool lock it ran under"
+        stats = pool.stats()
+        assert stats["lent"] == 0 and stats["free"] >= 1 and stats["allocations"] == 1
+    finally:
+        gc.enable()
