@@ -9,15 +9,18 @@
  *       one link into any node, no cycle (also among nodes the root does not reach). It only
  *       answers yes or no; the Python validator explains a "no".
  *
- *   repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state) -> int
+ *   repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state)
+ *       -> (kept, checked, rejected)
  *       After xgrammar's traverse_draft_tree filled `rows` (int32 [nodes, words]): decide from
  *       node indices which nodes keep their row (accepted and not terminated: every node on
  *       the root path has its token in [0, limit), not a stop token, and its bit set in its
  *       parent's row) and write all-allowed (-1) into every other row. `root_state` is 1 when
  *       the matcher was live, 0 when it had terminated, -1 to read it off row 0 (xgrammar
  *       zeroes row 0 of a terminated matcher; a live matcher's row 0 allows some token).
- *       Returns the number of rows kept. The links must be valid (links_valid); they are
- *       still bounds-checked.
+ *       Returns the number of rows kept, of draft nodes whose token the grammar was asked
+ *       about (children of kept nodes) and of those it refused (token out of range or its bit
+ *       clear; an accepted stop token is not a refusal). The links must be valid
+ *       (links_valid); they are still bounds-checked.
  *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
@@ -157,7 +160,7 @@ static PyObject *repair_rows(PyObject *self, PyObject *args) {
     }
     int32_t *queue = (int32_t *)scratch;
     uint8_t *keep = (uint8_t *)(queue + n);
-    Py_ssize_t kept = 0;
+    Py_ssize_t kept = 0, checked = 0, rejected = 0;
     Py_BEGIN_ALLOW_THREADS
     int32_t *mask = (int32_t *)rows.buf;
     const int64_t *first = (const int64_t *)nt.buf, *next = (const int64_t *)ns.buf;
@@ -181,6 +184,8 @@ static PyObject *repair_rows(PyObject *self, PyObject *args) {
             for (int64_t c = first[p]; c >= 0 && c < n && steps < n; c = next[c], steps++) {
                 int64_t t = token[c];
                 int ok = t >= 0 && t < limit && ((parent_row[t >> 5] >> (t & 31)) & 1u);
+                checked++;
+                rejected += !ok;
                 for (Py_ssize_t s = 0; ok && s < nstops; s++)
                     if (stop[s] == t) ok = 0;
                 if (ok && !keep[c] && tail < n) {
@@ -200,7 +205,7 @@ static PyObject *repair_rows(PyObject *self, PyObject *args) {
     PyBuffer_Release(&ns);
     PyBuffer_Release(&nt);
     PyBuffer_Release(&rows);
-    return PyLong_FromSsize_t(kept);
+    return Py_BuildValue("nnn", kept, checked, rejected);
 
 fail_all:
     PyBuffer_Release(&stops);
@@ -220,9 +225,10 @@ static PyMethodDef methods[] = {
      "links_valid(next_token, next_sibling) -> bool: whether int64 [batch, nodes] links form "
      "valid verify trees (GIL released)."},
     {"repair_rows", repair_rows, METH_VARARGS,
-     "repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_ok) -> int: "
-     "write -1 into every row of one request that is not an accepted, non-terminated node's; "
-     "returns the rows kept (GIL released)."},
+     "repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_ok) -> "
+     "(kept, checked, rejected): write -1 into every row of one request that is not an "
+     "accepted, non-terminated node's; count rows kept, draft nodes checked against the "
+     "grammar and those refused (GIL released)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
+from time import perf_counter
 from typing import Any
 
 from portable_spec.backend import Backend
 from portable_spec.builder import ALL_ALLOWED, build_host_bitmask, check_vocab_size
 from portable_spec.grammars import words_for
 from portable_spec.registry import backend_for
+from portable_spec.stats import record_upload
 from portable_spec.tree import GrammarTree
 
 __all__ = ["apply_vocab_mask", "build_grammar_vocab_mask"]
@@ -57,6 +59,7 @@ def build_grammar_vocab_mask(
     (pinned where the platform has pinning) and is reused only after the upload finished and
     no returned array aliases it.
     """
+    started = perf_counter()
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     backend, placement = _target(tree, device)
@@ -74,7 +77,11 @@ def build_grammar_vocab_mask(
         return None
     if capacity > rows:
         buffer.array[rows:] = ALL_ALLOWED
-    return backend.upload(buffer, placement)
+    uploading = perf_counter()
+    uploaded = backend.upload(buffer, placement)
+    done = perf_counter()
+    record_upload(done - uploading, done - started)
+    return uploaded
 
 
 def _check_capacity(row_capacity: Any, rows: int) -> int:

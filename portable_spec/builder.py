@@ -143,10 +143,14 @@ def build_host_bitmask(
     words = words_for(vocab_size)
     rows = batch * nodes
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
+    started = perf_counter()
     next_token, next_sibling, draft = tree.resolve()
+    resolved = perf_counter()
     tree.validate()
 
     root_ok = np.ones(batch, dtype=bool)
+    # per request: draft nodes checked against the grammar, and those it refused
+    counts = np.zeros((batch, 2), dtype=np.int64)
     splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
     jobs, owners = _make_jobs(
         grammars,
@@ -155,6 +159,7 @@ def build_host_bitmask(
         (next_token, next_sibling, draft),
         mask,
         root_ok,
+        counts,
         splits,
         vocab_size,
     )
@@ -172,12 +177,6 @@ def build_host_bitmask(
         run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
     except WorkItemError as exc:
         raise MatcherError(owners[exc.index], exc.error) from exc.error
-    per_request = dict.fromkeys(constrained, 0.0)
-    for owner, spent in zip(owners, seconds, strict=True):
-        if owner in per_request:
-            per_request[owner] += spent
-    record_build(per_request.items(), rows)
-
     # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
     # or a request split over several walks) are repaired here, vectorized over the batch.
     in_job = compiled.native is not None
@@ -185,7 +184,20 @@ def build_host_bitmask(
     if pending:
         topology = tree.topology()
         rewrite = _rewrite_small if topology.small else _rewrite_large
-        rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, pending)
+        rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, pending, counts)
+    per_request = dict.fromkeys(constrained, 0.0)
+    for owner, spent in zip(owners, seconds, strict=True):
+        if owner in per_request:
+            per_request[owner] += spent
+    checked, rejected = (int(n) for n in counts.sum(axis=0))
+    record_build(
+        per_request.items(),
+        rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
     return mask
 
 
@@ -196,10 +208,14 @@ def _make_jobs(
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
     mask: np.ndarray,
     root_ok: np.ndarray,
+    counts: np.ndarray,
     splits: dict[int, tuple[Split, list[Any]]],
     vocab_size: int,
 ) -> tuple[list[Callable[[], None]], list[int]]:
-    """One job per request (several for a split request), and the request of each job."""
+    """One job per request (several for a split request), and the request of each job.
+
+    Jobs that decide which nodes the grammar accepts write ``counts[b]`` (draft nodes
+    checked, refused); the others leave it to the row repair after the walks."""
     next_token, next_sibling, draft = arrays
     nodes = next_token.shape[1]
     jobs: list[Callable[[], None]] = []
@@ -212,12 +228,13 @@ def _make_jobs(
         elif kind == GENERIC:
             lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
             limit = min(vocab_size, info.vocab_size)
-            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit))
+            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit, counts[b]))
         elif b not in splits:
             links = (next_token[b], next_sibling[b], draft[b])
             if compiled.native is not None:
                 limit = min(vocab_size, info.vocab_size)
-                jobs.append(partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit))
+                job = partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit)
+                jobs.append(partial(job, counts[b]))
             else:
                 job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None)
                 jobs.append(job)
@@ -268,15 +285,17 @@ def _xgrammar_repaired_job(
     block: np.ndarray,
     info: MatcherInfo,
     limit: int,
+    counts: np.ndarray,
 ) -> None:
     """Walk one request with xgrammar's C++ traversal, then repair its rows in place with the
-    compiled helper (both release the GIL)."""
+    compiled helper (both release the GIL); store its (checked, refused) node counts."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
     live = walk_xgrammar(matcher, *links, target)
     if target is not block:
         _copy_rows(block, target, info.words, None)
-    compiled.native.repair_rows(block, *links, limit, info.stop_ids, int(live))  # type: ignore[union-attr]
+    repair = compiled.native.repair_rows  # type: ignore[union-attr]
+    _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
 
 
 def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:
@@ -295,11 +314,12 @@ def _generic_job(
     block: np.ndarray,
     info: MatcherInfo,
     limit: int,
+    counts: np.ndarray,
 ) -> None:
     """Walk one request with the iterative Python walk; rows it does not fill become -1."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
-    filled = walk_generic(matcher, *lists, target, limit)
+    filled, counts[0], counts[1] = walk_generic(matcher, *lists, target, limit)
     if target is not block:
         _copy_rows(block, target, info.words, None)
     if info.vocab_size % 32:
@@ -357,6 +377,7 @@ def _rewrite_small(
     root_ok: np.ndarray,
     vocab_size: int,
     requests: list[int],
+    counts: np.ndarray,
 ) -> None:
     """List version for small trees: parents come before children in ``topology.orders``."""
     nodes = topology.nodes
@@ -375,17 +396,21 @@ def _rewrite_small(
             stops = info.stop_set
             order, parent, token = orders[b], parents[b], tokens[b]
             keep[0] = True
+            checked = rejected = 0
             for i in range(1, len(order)):
                 v = order[i]
                 p = parent[v]
                 if keep[p]:
                     t = token[v]
+                    checked += 1
                     if (
                         0 <= t < limit
-                        and t not in stops
                         and (int(flat[(base + p) * words + (t >> 5)]) >> (t & 31)) & 1
                     ):
-                        keep[v] = True
+                        keep[v] = t not in stops
+                    else:
+                        rejected += 1
+            counts[b] = checked, rejected
         rewrite.extend(base + v for v in range(nodes) if not keep[v])
     if rewrite:
         mask[rewrite] = ALL_ALLOWED
@@ -400,6 +425,7 @@ def _rewrite_large(
     root_ok: np.ndarray,
     vocab_size: int,
     requests: list[int],
+    counts: np.ndarray,
 ) -> None:
     """Vectorized version: the local test for every node at once, then ANDed down root
     paths by pointer jumping (``topology.ancestor_jumps``)."""
@@ -426,6 +452,7 @@ def _rewrite_large(
     np.not_equal((word >> (safe_tokens & 31)) & 1, 0, out=local)
     local &= in_range
     local &= parent >= 0
+    allowed = local.copy()  # the grammar allows the token (stop tokens included)
 
     stop_groups: dict[frozenset[int], list[int]] = {}
     for b in requests:
@@ -447,6 +474,13 @@ def _rewrite_large(
     keep[total] = True  # the sentinel every root path ends in
     for jump in topology.ancestor_jumps or ():
         keep &= keep[jump]
+
+    # checked: the parent kept its row (accepted, live); refused: ... and the token not allowed
+    checked = (parent >= 0) & keep[np.where(parent >= 0, parent, total)]
+    refused = checked & ~allowed
+    selected = np.asarray(requests)
+    counts[selected, 0] = checked.reshape(batch, nodes)[selected].sum(axis=1)
+    counts[selected, 1] = refused.reshape(batch, nodes)[selected].sum(axis=1)
 
     is_xgrammar = np.repeat(np.asarray(kinds) == XGRAMMAR, nodes)
     rewrite = np.flatnonzero(~local & is_xgrammar)

@@ -1,6 +1,8 @@
 """Build counters and the slow-grammar warning.
 
-Every build records how long each request's walk took. A request slower than the threshold
+Every build records where its time went (waiting for the tree's copy, walking the matchers,
+starting the upload) and how many draft nodes the grammars refused, and how long each
+request's walk took. A request slower than the threshold
 is logged on the ``portable_spec`` logger (WARNING) with its index and time, and counted, so
 an engine can alert on grammars that make its step time explode (deep recursion in a JSON
 schema, huge alternations). Counters are process-wide and thread-safe.
@@ -23,7 +25,16 @@ __all__ = [
 logger = logging.getLogger("portable_spec")
 
 _lock = threading.Lock()
-_COUNTERS = ("builds", "requests", "rows", "slow_requests")
+_COUNTERS = ("builds", "requests", "rows", "slow_requests", "checked_nodes", "rejected_nodes")
+_SECONDS = (
+    "build_seconds",
+    "slowest_seconds",
+    "last_slow_seconds",
+    "tree_wait_seconds",
+    "walk_seconds",
+    "upload_seconds",
+    "call_seconds",
+)
 _counters: dict[str, float] = {}
 _threshold: float | None = None
 
@@ -46,18 +57,30 @@ def reset_grammar_stats() -> None:
     with _lock:
         _counters.clear()
         _counters.update(dict.fromkeys(_COUNTERS, 0))
-        _counters.update(build_seconds=0.0, slowest_seconds=0.0, last_slow_seconds=0.0)
+        _counters.update(dict.fromkeys(_SECONDS, 0.0))
         _counters["last_slow_request"] = -1
 
 
 def grammar_stats() -> dict[str, float]:
     """A snapshot of the counters since start (or the last reset).
 
-    Keys: ``builds`` (calls that built a mask), ``requests`` (constrained requests walked),
-    ``rows`` (mask rows produced), ``slow_requests`` (walks over the threshold),
-    ``build_seconds`` (summed walk time of all requests), ``slowest_seconds`` (the slowest
-    single walk), ``last_slow_request`` / ``last_slow_seconds`` (the latest slow walk's index
-    in its batch and time; -1 / 0.0 when none).
+    Keys:
+
+    * ``builds`` (calls that built a mask), ``requests`` (constrained requests walked),
+      ``rows`` (mask rows produced);
+    * ``checked_nodes`` (draft nodes whose token a grammar was asked about: children of
+      accepted, non-terminated nodes) and ``rejected_nodes`` (those the grammar refused;
+      nodes below a refused one are not counted again): the grammar's share of rejected
+      drafts is ``rejected_nodes / checked_nodes``;
+    * where a blocking call's time went, wall clock, summed over calls:
+      ``tree_wait_seconds`` (waiting for the tree's staged copy, and for whatever the
+      device had to finish before it), ``walk_seconds`` (validation, matcher walks and row
+      repair), ``upload_seconds`` (starting the mask's upload), ``call_seconds`` (the whole
+      of :func:`portable_spec.build_grammar_vocab_mask`, the time its caller was blocked);
+    * ``build_seconds`` (summed walk time of all requests, across threads),
+      ``slowest_seconds`` (the slowest single walk), ``slow_requests`` (walks over the
+      threshold), ``last_slow_request`` / ``last_slow_seconds`` (the latest slow walk's
+      index in its batch and time; -1 / 0.0 when none).
     """
     with _lock:
         return dict(_counters)
@@ -82,8 +105,24 @@ def get_slow_grammar_threshold() -> float | None:
     return _threshold
 
 
-def record_build(walks: Iterable[tuple[int, float]], rows: int) -> None:
-    """Account one build: ``walks`` holds ``(request index, seconds)`` per constrained request."""
+def record_upload(upload_seconds: float, call_seconds: float) -> None:
+    """Account the upload of one built mask and the whole call that built it."""
+    with _lock:
+        _counters["upload_seconds"] += upload_seconds
+        _counters["call_seconds"] += call_seconds
+
+
+def record_build(
+    walks: Iterable[tuple[int, float]],
+    rows: int,
+    *,
+    wait_seconds: float = 0.0,
+    walk_seconds: float = 0.0,
+    checked_nodes: int = 0,
+    rejected_nodes: int = 0,
+) -> None:
+    """Account one build: ``walks`` holds ``(request index, seconds)`` per constrained request;
+    the keywords are the build's phases (wall clock) and its draft-node counts."""
     threshold = _threshold
     slow = []
     total = 0.0
@@ -100,6 +139,10 @@ def record_build(walks: Iterable[tuple[int, float]], rows: int) -> None:
         _counters["requests"] += count
         _counters["rows"] += rows
         _counters["build_seconds"] += total
+        _counters["tree_wait_seconds"] += wait_seconds
+        _counters["walk_seconds"] += walk_seconds
+        _counters["checked_nodes"] += checked_nodes
+        _counters["rejected_nodes"] += rejected_nodes
         _counters["slowest_seconds"] = max(_counters["slowest_seconds"], slowest)
         _counters["slow_requests"] += len(slow)
         if slow:

@@ -48,7 +48,7 @@ def walk_generic(
     draft: list[int],
     rows: np.ndarray,
     vocab_limit: int,
-) -> list[bool]:
+) -> tuple[list[bool], int, int]:
     """Fill ``rows`` for one request by an iterative depth-first walk.
 
     Args:
@@ -58,14 +58,16 @@ def walk_generic(
         vocab_limit: tokens at or above this are rejected without asking the matcher.
 
     Returns:
-        ``filled[j]``: whether row ``j`` was written (node accepted and not terminated).
-        Other rows are left untouched. The matcher is rolled back to where it started, also
-        when one of its methods raises (the exception propagates).
+        ``(filled, checked, rejected)``: ``filled[j]`` says whether row ``j`` was written
+        (node accepted and not terminated; other rows are left untouched); ``checked`` counts
+        the draft nodes whose token was tested against the grammar (children of filled
+        nodes) and ``rejected`` those the grammar refused. The matcher is rolled back to
+        where it started, also when one of its methods raises (the exception propagates).
     """
     nodes = len(next_token)
     filled = [False] * nodes
     if matcher.is_terminated():
-        return filled
+        return filled, 0, 0
     matcher.fill_next_token_bitmask(rows, 0)
     filled[0] = True
 
@@ -80,26 +82,32 @@ def walk_generic(
     # (node, parent, depth); the first child ends up on top, so siblings run in order
     stack = [(c, 0, 1) for c in reversed(children(0))]
     accepted = 0  # tokens the matcher holds beyond its starting state
+    checked, rejected = len(stack), 0
     try:
         while stack:
             node, parent, depth = stack.pop()
             token = draft[node]
             if not 0 <= token < vocab_limit:
+                rejected += 1
                 continue
             if not (int(rows[parent, token >> 5]) >> (token & 31)) & 1:
+                rejected += 1
                 continue
             if accepted >= depth:  # leave the previous sibling's subtree
                 matcher.rollback(accepted - depth + 1)
                 accepted = depth - 1
             if not matcher.accept_token(token):
+                rejected += 1
                 continue  # the matcher disagrees with its own mask: treat as rejected
             accepted = depth
             if matcher.is_terminated():
                 continue
             matcher.fill_next_token_bitmask(rows, node)
             filled[node] = True
-            stack.extend((c, node, depth + 1) for c in reversed(children(node)))
+            kids = children(node)
+            checked += len(kids)
+            stack.extend((c, node, depth + 1) for c in reversed(kids))
     finally:
         if accepted:
             matcher.rollback(accepted)
-    return filled
+    return filled, checked, rejected

@@ -138,6 +138,50 @@ def expected_mask(
     return np.concatenate(blocks, axis=0)
 
 
+def expected_node_counts(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> tuple[int, int]:
+    """``(checked, rejected)`` over a batch by per-node replay: a draft node is checked when
+    its parent's root path is accepted and leaves the matcher live, rejected when, in
+    addition, its token is out of range or not allowed by the parent's row."""
+    checked = rejected = 0
+    for b, request in enumerate(requests):
+        if request is None:
+            continue
+        parent = parents_of(next_token[b].tolist(), next_sibling[b].tolist())
+        for j in range(1, len(parent)):
+            p = parent[j]
+            if p == -1:
+                continue
+            path = []
+            v = p
+            while v != 0:
+                path.append(v)
+                v = parent[v]
+            m = request.fresh()
+            limit = min(vocab, 32 * grammar_words)
+            alive = not m.is_terminated()
+            for v in reversed(path):
+                if not alive:
+                    break
+                t = int(draft[b, v])
+                row = fill_row(m, grammar_words, vocab)
+                alive = 0 <= t < limit and allowed_bit(row, t) and m.accept_token(t)
+                alive = alive and not m.is_terminated()
+            if not alive:
+                continue
+            checked += 1
+            t = int(draft[b, j])
+            if not (0 <= t < limit and allowed_bit(fill_row(m, grammar_words, vocab), t)):
+                rejected += 1
+    return checked, rejected
+
+
 def matcher_state(matcher: Any, probe_tokens: Sequence[int], grammar_words: int) -> tuple:
     """A fingerprint of an xgrammar matcher's state: termination, its mask, and which probe
     tokens it would accept (tested on forks)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _cases import draw_case
-from _oracle import ProtocolMatcher, assert_mask_matches, matcher_state
+from _oracle import ProtocolMatcher, assert_mask_matches, expected_node_counts, matcher_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,10 +55,16 @@ def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
         out = np.random.default_rng(0).integers(
             -(2**31), 2**31, size=(case.next_token.size, words), dtype=np.int32
         )
+    ps.reset_grammar_stats()
     mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out)
     if out is not None and mask is not None:
         assert mask is out
     _check(case, vocab, mask)
+    if mask is not None:  # the draft nodes the grammars checked and refused
+        stats = ps.grammar_stats()
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        want = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
+        assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
     assert _fingerprints(case, vocab) == before
     for m in case.matchers:
         if isinstance(m, ProtocolMatcher):

@@ -54,12 +54,16 @@ def test_repair_rows_against_a_reference():
         root = int(rng.integers(-1, 2))
         root_ok = bool(original[0].any()) if root == -1 else bool(root)
         keep = [root_ok]
+        checked = rejected = 0
         for j in range(1, n):
             t = int(dt[j])
             bit = 0 <= t < limit and (int(original[j - 1, t >> 5]) >> (t & 31)) & 1
+            if keep[-1]:
+                checked += 1
+                rejected += not bit
             keep.append(keep[-1] and bool(bit) and t != stops[0])
-        kept = native.repair_rows(rows, nt, ns, dt, limit, stops, root)
-        assert kept == sum(keep)
+        counts = native.repair_rows(rows, nt, ns, dt, limit, stops, root)
+        assert counts == (sum(keep), checked, rejected)
         for j in range(n):
             want = original[j] if keep[j] else np.full(words, -1, np.int32)
             np.testing.assert_array_equal(rows[j], want)

@@ -119,3 +119,28 @@ def test_bounded_soak(backend):
     assert growth["threads"] == 0 and growth["pool_workers"] == 0
     assert growth["rss_mb"] < 16
     assert growth["host_buffer_mb"] <= 1
+
+
+def test_stats_split_a_call_into_tree_wait_walk_and_upload(smollm2, fresh_stats, monkeypatch):
+    """The blocking call's time: waiting for the tree (here a copy that takes 50 ms), the
+    walks, and the upload, each accounted; together they fit in the call's own time."""
+    original = ps.GrammarTree.resolve
+
+    def slow_resolve(self):
+        time.sleep(0.05)
+        return original(self)
+
+    monkeypatch.setattr(ps.GrammarTree, "resolve", slow_resolve)
+    compiled = smollm2.grammars["builtin_json"]
+    brace = smollm2.tokens.index("{")
+    tree = ps.GrammarTree.from_linear_chain(np.array([[0, brace, 5], [0, 7, 9]]))
+    start = time.perf_counter()
+    ps.build_grammar_vocab_mask([xgr.GrammarMatcher(compiled), None], tree, smollm2.size)
+    elapsed = time.perf_counter() - start
+    stats = ps.grammar_stats()
+    assert stats["tree_wait_seconds"] >= 0.05
+    assert stats["walk_seconds"] > 0 and stats["upload_seconds"] > 0
+    parts = stats["tree_wait_seconds"] + stats["walk_seconds"] + stats["upload_seconds"]
+    assert parts <= stats["call_seconds"] <= elapsed
+    # request 0: "{" accepted (checked), 5 checked and refused; request 1 unconstrained
+    assert (stats["checked_nodes"], stats["rejected_nodes"]) == (2, 1)
