@@ -22,10 +22,16 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec.engines.generic import walk_generic
+from portable_spec.engines.llguidance import fill_llguidance_chains, walk_llguidance
+from portable_spec.engines.outlines import walk_outlines
+from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import (
     GENERIC,
+    LLGUIDANCE,
     NONE,
+    OUTLINES,
     XGRAMMAR,
     MatcherInfo,
     classify_grammars,
@@ -35,7 +41,6 @@ from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
 from portable_spec.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.stats import record_build
 from portable_spec.topology import Topology
-from portable_spec.traverse import walk_generic, walk_xgrammar
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_host_bitmask", "check_vocab_size"]
@@ -162,6 +167,7 @@ def build_host_bitmask(
         counts,
         splits,
         vocab_size,
+        tree.is_chain,
     )
     seconds = [0.0] * len(jobs)
 
@@ -176,6 +182,8 @@ def build_host_bitmask(
     try:
         run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
     except WorkItemError as exc:
+        if isinstance(exc.error, MatcherError):  # a batch-wide job named its request
+            raise exc.error from exc.error.error
         raise MatcherError(owners[exc.index], exc.error) from exc.error
     # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
     # or a request split over several walks) are repaired here, vectorized over the batch.
@@ -211,8 +219,10 @@ def _make_jobs(
     counts: np.ndarray,
     splits: dict[int, tuple[Split, list[Any]]],
     vocab_size: int,
+    chains: bool,
 ) -> tuple[list[Callable[[], None]], list[int]]:
-    """One job per request (several for a split request), and the request of each job.
+    """One job per request (several for a split request), one job for all requests walked in
+    Python, one per llguidance width for chains; and the (first) request of each job.
 
     Jobs that decide which nodes the grammar accepts write ``counts[b]`` (draft nodes
     checked, refused); the others leave it to the row repair after the walks."""
@@ -220,15 +230,30 @@ def _make_jobs(
     nodes = next_token.shape[1]
     jobs: list[Callable[[], None]] = []
     owners: list[int] = []
+    walks: list[tuple[int, Callable[[], None]]] = []  # Python walks: they hold the GIL
+    llguidance = [b for b, kind in enumerate(kinds) if kind == LLGUIDANCE]
+    if chains and llguidance:  # llguidance's executor fills chains in parallel itself
+        for width in sorted({infos[b].words for b in llguidance}):  # type: ignore[union-attr]
+            group = {b: grammars[b] for b in llguidance if infos[b].words == width}  # type: ignore[union-attr]
+            job = partial(fill_llguidance_chains, group, width, draft, mask, vocab_size, counts)
+            jobs.append(partial(_llguidance_chain_job, job, group))
+            owners.append(next(iter(group)))
     for b, kind in enumerate(kinds):
         block = mask[b * nodes : (b + 1) * nodes]
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         if kind == NONE:
             jobs.append(partial(block.fill, ALL_ALLOWED))
-        elif kind == GENERIC:
+        elif kind == LLGUIDANCE and chains:
+            continue
+        elif kind in _PYTHON_WALKS:
             lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
             limit = min(vocab_size, info.vocab_size)
-            jobs.append(partial(_generic_job, grammars[b], lists, block, info, limit, counts[b]))
+            if kind == OUTLINES:
+                _check_depth(b, lists[0], lists[1], info)
+            walk = _PYTHON_WALKS[kind]
+            job = partial(_walk_job, walk, grammars[b], lists, block, info, limit, counts[b])
+            walks.append((b, job))
+            continue
         elif b not in splits:
             links = (next_token[b], next_sibling[b], draft[b])
             if compiled.native is not None:
@@ -248,6 +273,9 @@ def _make_jobs(
             rows = plan.main_rows
             jobs.append(partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, rows))
         owners.append(b)
+    if walks:  # one job: on other threads they would only take turns holding the GIL
+        jobs.append(partial(_walk_requests, walks))
+        owners.append(walks[0][0])
     return jobs, owners
 
 
@@ -308,7 +336,58 @@ def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, 
             block[sub.nodes, info.words :] = 0
 
 
-def _generic_job(
+_PYTHON_WALKS = {GENERIC: walk_generic, LLGUIDANCE: walk_llguidance, OUTLINES: walk_outlines}
+
+
+def _walk_requests(walks: list[tuple[int, Callable[[], None]]]) -> None:
+    """Run the Python walks one after the other; a failure names its request (each walk has
+    already restored its matcher, and later ones have not moved theirs)."""
+    for b, walk in walks:
+        try:
+            walk()
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
+
+
+def _llguidance_chain_job(fill: Callable[[int], None], matchers: dict[int, Any]) -> None:
+    """Fill llguidance chains; a matcher found broken afterwards is reported by its request
+    index (the executor cannot say which one failed)."""
+    try:
+        fill(get_num_threads())
+    except BaseException as exc:
+        for b, matcher in matchers.items():
+            if matcher.is_error():
+                raise MatcherError(b, RuntimeError(matcher.get_error())) from exc
+        raise MatcherError(next(iter(matchers)), exc) from exc
+
+
+def _check_depth(b: int, next_token: list[int], next_sibling: list[int], info: MatcherInfo) -> None:
+    """Refuse a tree deeper than the matcher can roll back (before any matcher moves)."""
+    limit = info.max_depth
+    if limit is None or limit >= len(next_token) - 1:
+        return
+    depth = 0
+    level = [0]
+    while level:
+        nxt = []
+        for v in level:
+            c = next_token[v]
+            while c != -1:
+                nxt.append(c)
+                c = next_sibling[c]
+        if nxt:
+            depth += 1
+        level = nxt
+    if depth > limit:
+        raise ValueError(
+            f"the tree of request {b} is {depth} draft tokens deep but grammars[{b}] can roll "
+            f"back only {limit} (an outlines_core.Guide built with max_rollback={limit}); "
+            f"build its Guide with max_rollback >= {depth}"
+        )
+
+
+def _walk_job(
+    walk: Callable[..., tuple[list[bool], int, int]],
     matcher: Any,
     lists: tuple[list[int], list[int], list[int]],
     block: np.ndarray,
@@ -316,10 +395,11 @@ def _generic_job(
     limit: int,
     counts: np.ndarray,
 ) -> None:
-    """Walk one request with the iterative Python walk; rows it does not fill become -1."""
+    """Walk one request with a Python walk (protocol matchers, llguidance trees, outlines-core
+    guides); rows it does not fill become -1."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
-    filled, counts[0], counts[1] = walk_generic(matcher, *lists, target, limit)
+    filled, counts[0], counts[1] = walk(matcher, *lists, target, limit)
     if target is not block:
         _copy_rows(block, target, info.words, None)
     if info.vocab_size % 32:

@@ -1,34 +1,41 @@
 """The grammar-matcher protocol and how each request's matcher is classified.
 
-Each entry of ``grammars`` is one of:
+Each entry of ``grammars`` is one of (mixed freely in one batch):
 
 * ``None``: the request is unconstrained; all its rows are all-allowed (-1).
 * an ``xgrammar.GrammarMatcher``: traversed by xgrammar's C++ ``traverse_draft_tree``, which
   releases the GIL, so requests run in parallel on the builder's thread pool.
+* an ``llguidance.LLMatcher``: its tree cut into chains that llguidance's Rust executor fills
+  in one parallel call for the whole batch.
+* an ``outlines_core.Guide``: walked with ``advance``/``rollback_state``.
 * any object implementing :class:`GrammarMatcherLike`: traversed by the library's iterative
   Python walk (no recursion, so chains of any depth work).
 
-This module never imports xgrammar: a caller holding an ``xgrammar.GrammarMatcher`` has
-necessarily imported it already.
+The engine modules are in :mod:`portable_spec.engines`. Nothing here imports an engine: a
+caller holding an engine's matcher has necessarily imported it already, and a type is
+recognized by looking the engine up in ``sys.modules``.
 """
 
 from __future__ import annotations
 
-import re
 import sys
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from numbers import Integral
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from portable_spec.engines.base import MatcherInfo
+from portable_spec.engines.generic import generic_info
+from portable_spec.engines.llguidance import check_llmatcher, is_llmatcher, probe_llguidance
+from portable_spec.engines.outlines import is_guide, probe_outlines
+from portable_spec.engines.xgrammar import probe_xgrammar
+from portable_spec.errors import MatcherError
 
 __all__ = ["GrammarMatcherLike", "MatcherInfo", "classify_grammars", "words_for"]
 
 PROTOCOL_METHODS = ("accept_token", "rollback", "fill_next_token_bitmask", "is_terminated")
 
-NONE, XGRAMMAR, GENERIC = 0, 1, 2
+NONE, XGRAMMAR, GENERIC, LLGUIDANCE, OUTLINES = 0, 1, 2, 3, 4
 
 
 def words_for(vocab_size: int) -> int:
@@ -65,58 +72,7 @@ class GrammarMatcherLike(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class MatcherInfo:
-    """Facts about one matcher that do not change while the request lives.
-
-    Attributes:
-        words: int32 words per row of this matcher's own bitmask.
-        vocab_size: tokens the matcher knows (``32 * words`` when only the width is known).
-        stop_ids: int64 token ids whose acceptance terminates the matcher (xgrammar only).
-        stop_set: the same ids as a frozenset.
-    """
-
-    words: int
-    vocab_size: int
-    stop_ids: np.ndarray
-    stop_set: frozenset[int]
-
-
-class _IdentityCache:
-    """Per-object facts keyed by identity, dropped when the object dies.
-
-    xgrammar matchers define ``__eq__`` without ``__hash__``, so a ``WeakKeyDictionary``
-    cannot hold them.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref[Any], MatcherInfo]] = {}
-
-    def get(self, obj: Any) -> MatcherInfo | None:
-        entry = self._entries.get(id(obj))
-        if entry is None or entry[0]() is not obj:
-            return None
-        return entry[1]
-
-    def put(self, obj: Any, info: MatcherInfo) -> None:
-        key = id(obj)
-        entries = self._entries
-
-        def forget(ref: weakref.ref[Any], key: int = key) -> None:
-            current = entries.get(key)
-            if current is not None and current[0] is ref:
-                del entries[key]
-
-        entries[key] = (weakref.ref(obj, forget), info)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# Facts about xgrammar matchers, probed once per matcher object.
-_xgrammar_info = _IdentityCache()
 _kind_by_type: dict[type, int] = {}
-_WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 
 def _kind_of_type(cls: type) -> int:
@@ -125,7 +81,11 @@ def _kind_of_type(cls: type) -> int:
         return kind
     xgr = sys.modules.get("xgrammar")
     base = getattr(xgr, "GrammarMatcher", None) if xgr is not None else None
-    if base is not None and issubclass(cls, base):
+    if is_llmatcher(cls):
+        kind = LLGUIDANCE
+    elif is_guide(cls):
+        kind = OUTLINES
+    elif base is not None and issubclass(cls, base):
         # A subclass that overrides the protocol must be honoured: walk it in Python.
         overridden = any(getattr(cls, m) is not getattr(base, m) for m in PROTOCOL_METHODS)
         kind = GENERIC if overridden else XGRAMMAR
@@ -135,38 +95,6 @@ def _kind_of_type(cls: type) -> int:
         kind = -1
     _kind_by_type[cls] = kind
     return kind
-
-
-def _probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
-    """Learn an xgrammar matcher's bitmask width and stop tokens without moving it.
-
-    xgrammar exposes neither its vocabulary size nor its tokenizer from a matcher. Filling one
-    row at the model's width (filling never moves a matcher) succeeds when the widths agree,
-    the common case; otherwise xgrammar's error states the width it expects. A terminated
-    matcher refuses every fill, so a reset fork is probed instead.
-    """
-    target = matcher
-    if matcher.is_terminated():
-        target = matcher.fork()
-        target.reset()
-    try:
-        target.fill_next_token_bitmask(np.empty((1, model_words), dtype=np.int32), 0)
-        words = model_words
-    except RuntimeError as exc:
-        found = _WIDTH_IN_MESSAGE.search(str(exc))
-        if found is None:
-            raise TypeError(
-                "could not determine the bitmask width of an xgrammar.GrammarMatcher: "
-                f"xgrammar said {exc}"
-            ) from exc
-        words = int(found.group(1))
-    stop_list = [int(t) for t in matcher.stop_token_ids]
-    return MatcherInfo(
-        words=words,
-        vocab_size=32 * words,
-        stop_ids=np.asarray(stop_list, dtype=np.int64),
-        stop_set=frozenset(stop_list),
-    )
 
 
 def classify_grammars(
@@ -197,8 +125,8 @@ def classify_grammars(
             missing = [m for m in PROTOCOL_METHODS if not callable(getattr(g, m, None))]
             raise TypeError(
                 f"grammars[{i}] is a {type(g).__module__}.{type(g).__qualname__}, which is "
-                f"neither None, an xgrammar.GrammarMatcher, nor a matcher-like object "
-                f"(missing: {', '.join(missing)})"
+                "neither None, an xgrammar.GrammarMatcher, an llguidance.LLMatcher, an "
+                f"outlines_core.Guide, nor a matcher-like object (missing: {', '.join(missing)})"
             )
         first = seen.setdefault(id(g), i)
         if first != i:
@@ -206,36 +134,33 @@ def classify_grammars(
                 f"grammars[{i}] is the same matcher object as grammars[{first}]; each request "
                 "needs its own matcher (they are walked concurrently)"
             )
-        if kind == XGRAMMAR:
-            info = _xgrammar_info.get(g)
-            if info is None:
-                info = _probe_xgrammar(g, model_words)
-                _xgrammar_info.put(g, info)
-            if info.words > model_words:
-                raise ValueError(
-                    f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{i}] "
-                    f"(its bitmask rows have {info.words} words, up to {32 * info.words} tokens)"
-                )
-        else:
-            info = _generic_info(g, i, vocab_size)
+        info = _probe(kind, g, i, vocab_size, model_words)
+        if info.words > model_words:
+            raise ValueError(
+                f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{i}] "
+                f"(its bitmask rows have {info.words} words, up to {32 * info.words} tokens)"
+            )
         kinds.append(kind)
         infos.append(info)
     return kinds, infos
 
 
-_NO_STOP_IDS = np.empty(0, dtype=np.int64)
-
-
-def _generic_info(g: Any, index: int, vocab_size: int) -> MatcherInfo:
-    own = getattr(g, "vocab_size", None)
-    if own is None:
-        return MatcherInfo(words_for(vocab_size), vocab_size, _NO_STOP_IDS, frozenset())
-    if isinstance(own, bool) or not isinstance(own, Integral) or own <= 0:
-        raise TypeError(f"grammars[{index}].vocab_size must be a positive int, got {own!r}")
-    own = int(own)
-    if own > vocab_size:
-        raise ValueError(
-            f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{index}] "
-            f"({own} tokens)"
-        )
-    return MatcherInfo(words_for(own), own, _NO_STOP_IDS, frozenset())
+def _probe(kind: int, g: Any, index: int, vocab_size: int, model_words: int) -> MatcherInfo:
+    """The engine's facts about matcher ``g`` (``grammars[index]``), moving nothing."""
+    if kind == XGRAMMAR:
+        return probe_xgrammar(g, model_words)
+    if kind == LLGUIDANCE:
+        try:
+            check_llmatcher(g)
+        except RuntimeError as exc:
+            raise MatcherError(index, exc) from exc
+        return probe_llguidance(g, model_words)
+    if kind == OUTLINES:
+        try:
+            return probe_outlines(g, model_words)
+        except ValueError as exc:  # the guide's vocabulary is wider than the model's
+            raise ValueError(
+                f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{index}] "
+                f"(outlines-core: {exc})"
+            ) from exc
+    return generic_info(g, index, vocab_size)

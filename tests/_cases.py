@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,16 @@ def draw_case(
     max_nodes: int = 24,
     kinds: tuple[str, ...] = ("json_schema", "ebnf", "regex", "builtin_json"),
     protocol: bool = True,
+    make_request: Callable[[str], Request] | None = None,
 ) -> Case:
     """Draw a batch: per request a grammar (or None) advanced by a valid prefix, a tree of
     random shape and sibling order with padding nodes, and drafts mixing grammar-valid,
-    off-grammar, EOS and out-of-range tokens. Node ids are randomly permuted."""
+    off-grammar, EOS and out-of-range tokens. Node ids are randomly permuted.
+
+    ``make_request(kind)`` builds a request of another grammar engine (default: xgrammar on
+    ``vocab.grammars``); the library gets its ``native()`` object."""
+    if make_request is None:
+        make_request = lambda kind: Request(vocab.grammars[kind])  # noqa: E731
     size, words = vocab.size, vocab.words
     batch = data.draw(st.integers(1, max_batch), label="batch")
     nodes = data.draw(st.integers(1, max_nodes), label="nodes")
@@ -55,7 +62,7 @@ def draw_case(
         kind = data.draw(st.sampled_from((None, *kinds)), label="grammar")
         request = None
         if kind is not None:
-            request = Request(vocab.grammars[kind])
+            request = make_request(kind)
             m = request.fresh()
             for _ in range(data.draw(st.integers(0, 6), label="prefix length")):
                 if m.is_terminated():
@@ -65,11 +72,14 @@ def draw_case(
                 if len(options) == 0:
                     break
                 t = int(options[data.draw(st.integers(0, 10**6)) % len(options)])
+                if t == vocab.eos and not getattr(m, "records_end", True):
+                    break  # the engine could not show that this prefix ended
                 assert m.accept_token(t)
                 request.prefix.append(t)
             if (
                 data.draw(st.integers(0, 9), label="terminate?") == 0
                 and not m.is_terminated()
+                and getattr(m, "records_end", True)  # the engine can show it ended
                 and m.fork().accept_token(vocab.eos)
             ):
                 m.accept_token(vocab.eos)
@@ -122,11 +132,10 @@ def draw_case(
             dt[b, relabel[j]] = tokens[j]
         if request is None:
             matchers.append(None)
+        elif protocol and data.draw(st.booleans(), label="protocol matcher?"):
+            matchers.append(ProtocolMatcher(request.fresh(), vocab_size=size))
         else:
-            m = request.fresh()
-            if protocol and data.draw(st.booleans(), label="protocol matcher?"):
-                m = ProtocolMatcher(m, vocab_size=size)
-            matchers.append(m)
+            matchers.append(request.native())
     return Case(requests, matchers, nt, ns, dt, vocab_size)
 
 

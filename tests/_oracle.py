@@ -57,11 +57,17 @@ class Request:
     prefix: list[int] = field(default_factory=list)
 
     def fresh(self) -> xgr.GrammarMatcher:
+        """A matcher in the request's starting state, as the oracle uses it (xgrammar's
+        interface: ``fill_next_token_bitmask``, ``accept_token``, ``is_terminated``, ``fork``)."""
         m = xgr.GrammarMatcher(self.compiled)
         for t in self.prefix:
             if not m.accept_token(t):
                 raise AssertionError(f"prefix token {t} rejected")
         return m
+
+    def native(self) -> Any:
+        """The engine's own object in the starting state: what the library is given."""
+        return self.fresh()
 
 
 def fill_row(matcher: Any, grammar_words: int, vocab: int) -> np.ndarray:
@@ -107,8 +113,9 @@ def expected_rows(
             if not (0 <= t < vocab) or t >= 32 * grammar_words or not allowed_bit(row, t):
                 alive = False
                 break
-            if not m.accept_token(t):
-                raise AssertionError("mask allowed a token the matcher rejected")
+            if not m.accept_token(t):  # allowed by the mask, refused by the matcher
+                alive = False
+                break
             alive = not m.is_terminated()
         if alive:
             rows[j] = fill_row(m, grammar_words, vocab)
@@ -177,7 +184,9 @@ def expected_node_counts(
                 continue
             checked += 1
             t = int(draft[b, j])
-            if not (0 <= t < limit and allowed_bit(fill_row(m, grammar_words, vocab), t)):
+            if not (
+                0 <= t < limit and allowed_bit(fill_row(m, grammar_words, vocab), t)
+            ) or not m.accept_token(t):
                 rejected += 1
     return checked, rejected
 

@@ -310,7 +310,7 @@ def test_empty_batch_and_unconstrained_return_none(smollm2):
 def test_width_probe_fallback(smollm2, monkeypatch):
     """If xgrammar's error message stops stating the width, the probe still works for
     matchers as wide as the model's mask and refuses others clearly."""
-    import portable_spec.grammars as grammars_module
+    import portable_spec.engines.xgrammar as grammars_module
 
     monkeypatch.setattr(grammars_module, "_WIDTH_IN_MESSAGE", re.compile("never matches"))
     m = xgr.GrammarMatcher(smollm2.grammars["regex"])

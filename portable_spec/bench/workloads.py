@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -398,16 +399,26 @@ def make_pool(
     topk: int = 4,
     on_grammar: float = 0.85,
     seed: int = 0,
+    new_matcher: Callable[[], Any] | None = None,
+    native: Callable[[Any], Any] = lambda matcher: matcher,
 ) -> RequestPool:
-    """``size`` requests of grammar ``kind``, each a fresh ``xgrammar.GrammarMatcher`` advanced
-    by a random valid prefix of a random document, with a ``shape`` (``"tree"``: EAGLE-like,
-    ``"chain"``) verify tree of ``nodes`` nodes whose drafts mostly follow the grammar."""
-    import xgrammar as xgr
+    """``size`` requests of grammar ``kind``, each a fresh matcher advanced by a random valid
+    prefix of a random document, with a ``shape`` (``"tree"``: EAGLE-like, ``"chain"``) verify
+    tree of ``nodes`` nodes whose drafts mostly follow the grammar.
+
+    ``new_matcher()`` makes a matcher with xgrammar's interface (``accept_token``,
+    ``rollback``, ``fill_next_token_bitmask``, ``is_terminated``, ``reset``); default: an
+    ``xgrammar.GrammarMatcher`` of ``setup.compiled[kind]``. The pool holds ``native(m)``
+    (another engine's own object behind such an adapter)."""
+    if new_matcher is None:
+        import xgrammar as xgr
+
+        compiled = setup.compiled[kind]
+        new_matcher = lambda: xgr.GrammarMatcher(compiled)  # noqa: E731
 
     rng = np.random.default_rng([seed, GRAMMAR_KINDS.index(kind), SHAPES.index(shape), nodes])
-    compiled = setup.compiled[kind]
     documents = []
-    scratch = xgr.GrammarMatcher(compiled)
+    scratch = new_matcher()
     for text in sample_documents(kind, max(8, size // 8), rng):
         scratch.reset()
         tokens = tokenize_document(setup, scratch, text)
@@ -420,14 +431,14 @@ def make_pool(
     matchers = []
     for r in range(size):
         tokens = documents[int(rng.integers(len(documents)))]
-        matcher = xgr.GrammarMatcher(compiled)
+        matcher = new_matcher()
         for token in tokens[: int(rng.integers(0, len(tokens)))]:
             if not matcher.accept_token(token):  # pragma: no cover - tokenized under it
                 raise RuntimeError("document prefix rejected by its own grammar")
         parents = eagle_parents(nodes, topk, rng) if shape == "tree" else chain_parents(nodes)
         next_token[r], next_sibling[r] = links_from_parents(parents)
         draft_tokens[r], accepted[r] = _draw_drafts(matcher, parents, setup, on_grammar, rng)
-        matchers.append(matcher)
+        matchers.append(native(matcher))
     return RequestPool(
         kind, shape, next_token, next_sibling, draft_tokens, matchers, accepted, rng=rng
     )

@@ -51,6 +51,10 @@ class ChatTokenizer:
         """Token ids of ``text`` (special tokens written in the text are recognized)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` serialization of the tokenizer (what llguidance loads)."""
+        return str(self._tok.to_str())
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """Text of ``ids`` (byte-level decoding; special tokens dropped unless asked)."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))

@@ -1,44 +1,22 @@
-"""Per-request tree walks: xgrammar's C++ traversal, and an iterative walk for other matchers.
+"""Matchers following :class:`portable_spec.GrammarMatcherLike`: an iterative Python walk.
 
-Both follow the same rule (the row contract of :func:`portable_spec.build_host_bitmask`):
-node 0 is accepted; a node is accepted when its parent is accepted and not terminated, its
-token lies in ``[0, vocab)`` and the token's bit is set in the parent's row; an accepted,
-non-terminated node's row is the matcher's mask after the root path. Both leave the matcher
-in the state it started in.
+The walk follows the row contract of :func:`portable_spec.build_host_bitmask`: node 0 is
+accepted; a node is accepted when its parent is accepted and not terminated, its token lies in
+``[0, vocab)`` and the token's bit is set in the parent's row; an accepted, non-terminated
+node's row is the matcher's mask after the root path. It leaves the matcher in the state it
+started in, and has no recursion (chains of any depth work).
 """
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
-__all__ = ["walk_generic", "walk_xgrammar"]
+from portable_spec.engines.base import MatcherInfo
 
-
-def walk_xgrammar(
-    matcher: Any,
-    next_token: np.ndarray,
-    next_sibling: np.ndarray,
-    draft: np.ndarray,
-    rows: np.ndarray,
-) -> bool:
-    """Fill ``rows`` for one request with ``GrammarMatcher.traverse_draft_tree``.
-
-    Args:
-        next_token, next_sibling, draft: this request's C-contiguous int64 ``[nodes]`` rows.
-        rows: C-contiguous int32 ``[nodes, words]`` with exactly the matcher's width.
-
-    Returns:
-        False when the matcher was terminated before the walk (nothing written), else True.
-        xgrammar writes the rows of accepted, non-terminated nodes; it zeroes rows of rejected
-        and terminated nodes and leaves rows it never reaches untouched. The caller rewrites
-        every row that is not an accepted, non-terminated node's (see ``builder``).
-    """
-    if matcher.is_terminated():
-        return False
-    matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
-    return True
+__all__ = ["generic_info", "walk_generic"]
 
 
 def walk_generic(
@@ -111,3 +89,20 @@ def walk_generic(
         if accepted:
             matcher.rollback(accepted)
     return filled, checked, rejected
+
+
+def generic_info(matcher: Any, index: int, vocab_size: int) -> MatcherInfo:
+    """The width of a protocol matcher: its optional ``vocab_size`` attribute, else the
+    model's. Raises ``TypeError``/``ValueError`` naming ``grammars[index]``."""
+    own = getattr(matcher, "vocab_size", None)
+    if own is None:
+        return MatcherInfo((vocab_size + 31) // 32, vocab_size)
+    if isinstance(own, bool) or not isinstance(own, Integral) or own <= 0:
+        raise TypeError(f"grammars[{index}].vocab_size must be a positive int, got {own!r}")
+    own = int(own)
+    if own > vocab_size:
+        raise ValueError(
+            f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{index}] "
+            f"({own} tokens)"
+        )
+    return MatcherInfo((own + 31) // 32, own)

@@ -1,0 +1,338 @@
+"""``llguidance.LLMatcher``: trees by an iterative walk, chains by llguidance's Rust executor.
+
+Facts of llguidance (1.x) this module relies on, each checked by the tests:
+
+* ``is_stopped()`` is already true when the grammar is complete (its row: the end token
+  only), before the end token is consumed; in that state the end token is "consumed" without
+  a trace (``try_consume_tokens`` counts 0, ``rollback`` does not see it). In a state that may
+  end *or* go on, the end token is consumed for real and ``stop_reason()`` becomes
+  ``"EndOfSentence"``. So a node is terminated when its token is allowed and either its
+  parent was stopped or consuming it reports ``"EndOfSentence"``; no list of end tokens is
+  needed (an ``LLMatcher`` does not expose its tokenizer). A matcher whose stop reason is
+  ``"EndOfSentence"`` at the root is terminated (all its rows all-allowed); one that was
+  complete before an end token consumed in the stopped state cannot be told apart from one
+  still waiting for it, and gets the end-token-only row.
+* ``consume_token`` of a refused token puts the matcher in an error state it never leaves;
+  ``try_consume_tokens`` does not. The walk only consumes tokens the parent's row allows, and
+  through ``try_consume_tokens``. A matcher already in the error state is reported as a
+  ``MatcherError`` naming its request.
+* Masks and consumption hold the GIL (threads do not speed a per-node loop up), but the
+  executor (``LLExecutor.unsafe_compute_mask_ptr_with_draft_token``) fills whole chains for
+  many matchers in parallel in Rust, without moving them: it writes the start state's row and
+  one row per draft it accepts, stops at the first draft it refuses (or an end token in a
+  stopped state), and leaves later rows untouched. Chains use it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from portable_spec.engines.base import IdentityCache, MatcherInfo
+
+__all__ = [
+    "check_llmatcher",
+    "fill_llguidance_chains",
+    "is_llmatcher",
+    "probe_llguidance",
+    "walk_llguidance",
+]
+
+_cache = IdentityCache()
+_ENDED = "EndOfSentence"
+
+
+def is_llmatcher(cls: type) -> bool:
+    """Whether ``cls`` is ``llguidance.LLMatcher`` (or a subclass); imports nothing."""
+    module = sys.modules.get("llguidance")
+    matcher = getattr(module, "LLMatcher", None) if module is not None else None
+    return matcher is not None and isinstance(matcher, type) and issubclass(cls, matcher)
+
+
+def check_llmatcher(matcher: Any) -> None:
+    """Raise ``RuntimeError`` with llguidance's message if ``matcher`` is in the error state
+    (a state it never leaves: its masks and walks would be meaningless)."""
+    if matcher.is_error():
+        raise RuntimeError(f"the llguidance matcher is in its error state: {matcher.get_error()}")
+
+
+def probe_llguidance(matcher: Any, model_words: int) -> MatcherInfo:
+    """The bitmask width of an ``LLMatcher`` (its tokenizer's vocabulary), without moving it;
+    cached per matcher object.
+
+    llguidance accepts exactly its own width. The model's width is tried first (the common
+    case); otherwise the width is read off ``compute_bitmask()``, which returns one bit per
+    token (rounded up to whole words, with up to one word of slack), and confirmed by a fill.
+    """
+    info = _cache.get(matcher)
+    if info is not None:
+        return info
+    words = None
+    for candidate in _width_candidates(matcher, model_words):
+        buffer = np.empty(candidate, dtype=np.int32)
+        try:
+            matcher.unsafe_compute_mask_ptr(buffer.ctypes.data, buffer.nbytes)
+        except ValueError:
+            continue
+        words = candidate
+        break
+    if words is None:
+        raise TypeError("could not determine the bitmask width of an llguidance.LLMatcher")
+    info = MatcherInfo(words=words, vocab_size=32 * words)
+    _cache.put(matcher, info)
+    return info
+
+
+def _width_candidates(matcher: Any, model_words: int) -> list[int]:
+    candidates = [model_words]
+    reported = len(matcher.compute_bitmask()) // 4
+    for words in (reported, reported - 1):
+        if words > 0 and words not in candidates:
+            candidates.append(words)
+    return candidates
+
+
+def walk_llguidance(
+    matcher: Any,
+    next_token: list[int],
+    next_sibling: list[int],
+    draft: list[int],
+    rows: np.ndarray,
+    vocab_limit: int,
+) -> tuple[list[bool], int, int]:
+    """Fill ``rows`` for one request with an iterative depth-first walk of ``matcher``.
+
+    Same arguments and result as :func:`portable_spec.engines.generic.walk_generic`. Only
+    tokens the parent's row allows are consumed; the matcher is rolled back to where it
+    started, also when one of its methods raises.
+    """
+    nodes = len(next_token)
+    filled = [False] * nodes
+    if matcher.stop_reason() == _ENDED:
+        return filled, 0, 0
+    base, row_bytes, nbytes = rows.ctypes.data, rows.strides[0], rows.shape[1] * 4
+    compute, consume = matcher.unsafe_compute_mask_ptr, matcher.try_consume_tokens
+    compute(base, nbytes)
+    filled[0] = True
+    stopped = [False] * nodes  # complete grammar at the node: only the end token may follow
+    stopped[0] = matcher.is_stopped()
+
+    def children(v: int) -> list[int]:
+        kids = []
+        c = next_token[v]
+        while c != -1:
+            kids.append(c)
+            c = next_sibling[c]
+        return kids
+
+    stack = [(c, 0, 1) for c in reversed(children(0))]
+    checked, rejected = len(stack), 0
+    held = 0  # tokens the matcher holds beyond its starting state
+    try:
+        while stack:
+            node, parent, depth = stack.pop()
+            token = draft[node]
+            if not 0 <= token < vocab_limit or not (
+                (int(rows[parent, token >> 5]) >> (token & 31)) & 1
+            ):
+                rejected += 1
+                continue
+            if stopped[parent]:
+                continue  # the end token after a complete grammar: terminated
+            if held >= depth:  # leave the previous sibling's subtree
+                matcher.rollback(held - depth + 1)
+                held = depth - 1
+            if consume([token]) != 1:
+                rejected += 1  # the matcher disagrees with its own mask
+                continue
+            held = depth
+            if matcher.stop_reason() == _ENDED:
+                continue  # the end token: terminated (rolled back with the next move)
+            compute(base + node * row_bytes, nbytes)
+            filled[node] = True
+            stopped[node] = matcher.is_stopped()
+            kids = children(node)
+            checked += len(kids)
+            stack.extend((c, node, depth + 1) for c in reversed(kids))
+    finally:
+        if held:
+            matcher.rollback(held)
+    return filled, checked, rejected
+
+
+# -- chains: llguidance's parallel executor ----------------------------------------------------
+_executors: dict[int, Any] = {}
+_executors_lock = threading.Lock()
+# Written into two words of every chain row before the executor runs: a row that still holds
+# both afterwards was (almost surely) not written; the rare real row equal to it is told apart
+# exactly on a fork.
+_SENTINEL = (0x2C5A0F1E, 0x71E3A5C9)
+
+
+# A row written after an end token allows the end tokens only: a handful of non-zero words.
+# Only rows that sparse, and allowing their own node's token, are checked on a fork.
+END_ROW_MAX_WORDS = 8
+
+
+def _executor(threads: int) -> Any:
+    executor = _executors.get(threads)
+    if executor is None:
+        import llguidance
+
+        with _executors_lock:
+            executor = _executors.get(threads)
+            if executor is None:
+                executor = _executors[threads] = llguidance.LLExecutor(num_threads=threads)
+    return executor
+
+
+def fill_llguidance_chains(
+    matchers: dict[int, Any],
+    width: int,
+    draft: np.ndarray,
+    mask: np.ndarray,
+    vocab_size: int,
+    counts: np.ndarray,
+    threads: int,
+) -> None:
+    """Write the rows of chain requests (node ``i``'s only child is ``i + 1``) whose matchers
+    have bitmask width ``width``, in one call of llguidance's executor.
+
+    Args:
+        matchers: request index -> its ``LLMatcher``.
+        width: their bitmask width in words.
+        draft: the batch's int64 ``[batch, nodes]`` draft tokens.
+        mask: int32 ``[batch * nodes, words]``; the requests' row blocks are written whole.
+        vocab_size: the model's vocabulary size.
+        counts: int64 ``[batch, 2]``: ``(checked, refused)`` draft nodes, set per request.
+        threads: the executor's thread count.
+
+    Blocks until done; the GIL is released while the executor runs. The matchers do not move.
+    Which rows the executor wrote is read off the rows themselves (vectorized over the batch);
+    only the rare ambiguous row (an end token, or a row equal to the sentinel) costs a fork.
+    """
+    nodes = draft.shape[1]
+    words = mask.shape[1]
+    limit = min(vocab_size, 32 * width)
+    requests = list(matchers)
+    count = len(requests)
+    direct = width == words  # the executor writes into the mask's own rows
+    target = mask if direct else np.empty((count * nodes, width), dtype=np.int32)
+    block = np.asarray(requests) if direct else np.arange(count)
+    rows = block[:, None] * nodes + np.arange(nodes)  # [count, nodes] target rows
+    ended = np.array([matchers[b].stop_reason() == _ENDED for b in requests], dtype=bool)
+    tokens = draft[requests, 1:]
+    outside = (tokens < 0) | (tokens >= limit)
+    usable = np.full(count, nodes - 1, dtype=np.int64)
+    if nodes > 1:
+        usable = np.where(outside.any(axis=1), outside.argmax(axis=1), usable)
+    # sentinels in the rows the executor may write: the start row and one per usable draft
+    chain_rows = rows[(np.arange(nodes) <= usable[:, None]) & ~ended[:, None]]
+    target[chain_rows, 0] = _SENTINEL[0]
+    target[chain_rows, -1] = _SENTINEL[1]
+    items, lone = [], []
+    for k, b in enumerate(requests):
+        if ended[k]:
+            continue
+        first = int(rows[k, 0])
+        if usable[k]:
+            items.append((matchers[b], first, tokens[k, : usable[k]].tolist()))
+        else:
+            lone.append((matchers[b], first))
+    if items:
+        _executor(threads).unsafe_compute_mask_ptr_with_draft_token(
+            items, target.ctypes.data, width * 4, target.shape[0]
+        )
+    for matcher, first in lone:  # the executor wants drafts: a lone start row directly
+        matcher.unsafe_compute_mask_ptr(target[first].ctypes.data, width * 4)
+    live = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
+    # live nodes per request: the root and its live drafts (none when terminated)
+    alive = np.where(ended, 0, live + 1)
+    kept = np.arange(nodes)[None, :] < alive[:, None]
+    out_rows = np.asarray(requests)[:, None] * nodes + np.arange(nodes)
+    if not direct:
+        mask[out_rows[kept], :width] = target[rows[kept]]
+        mask[out_rows[kept], width:] = 0
+    mask[out_rows[~kept]] = -1
+    counts[requests] = _chain_counts(mask, out_rows, tokens, alive, limit)
+
+
+def _chain_counts(
+    mask: np.ndarray, out_rows: np.ndarray, tokens: np.ndarray, alive: np.ndarray, limit: int
+) -> np.ndarray:
+    """``[requests, 2]`` (checked, refused): children of live nodes, and the first non-live
+    draft if its parent's row refuses it (an end token is accepted, not refused)."""
+    count, nodes = out_rows.shape
+    if nodes == 1:
+        return np.zeros((count, 2), dtype=np.int64)
+    checked = np.minimum(alive, nodes - 1)
+    position = np.minimum(alive, nodes - 1)  # draft index of the first non-live node
+    stop = tokens[np.arange(count), np.maximum(position - 1, 0)]
+    parent = mask[out_rows[np.arange(count), np.maximum(position - 1, 0)]]
+    safe = np.clip(stop, 0, limit - 1)
+    allowed = (parent[np.arange(count), safe >> 5] >> (safe & 31)) & 1
+    refused = (alive > 0) & (alive < nodes) & ((stop < 0) | (stop >= limit) | (allowed == 0))
+    return np.stack([checked, refused.astype(np.int64)], axis=1)
+
+
+def _live_drafts(
+    matchers: dict[int, Any],
+    requests: list[int],
+    target: np.ndarray,
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    usable: np.ndarray,
+    ended: np.ndarray,
+) -> np.ndarray:
+    """Per request, how many leading drafts are live: the executor wrote their row, and they
+    are not an end token. A draft stops the chain when the parent's row refuses it; a row still
+    holding the sentinel after an allowed draft, or a sparse row allowing its own token, is
+    decided on a fork (an end token, or a coincidence)."""
+    count, drafts = tokens.shape
+    limit = 32 * target.shape[1]
+    if drafts == 0:
+        return np.zeros(count, dtype=np.int64)
+    safe = np.clip(tokens, 0, limit - 1)
+    word, bit = safe >> 5, safe & 31
+    parents, own_rows = rows[:, :-1], rows[:, 1:]
+    allowed = (target[parents, word] >> bit) & 1 == 1
+    allowed &= np.arange(drafts)[None, :] < usable[:, None]
+    own = (target[own_rows, word] >> bit) & 1 == 1
+    intact = (target[own_rows, 0] == _SENTINEL[0]) & (target[own_rows, -1] == _SENTINEL[1])
+    live = np.where(allowed.all(axis=1), drafts, (~allowed).argmax(axis=1))
+    before_stop = np.arange(drafts)[None, :] < live[:, None]
+    sparse = own & before_stop
+    if sparse.any():  # an end token's row has at most END_ROW_MAX_WORDS non-zero words
+        where = np.nonzero(sparse)
+        sample = np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
+        dense = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
+        sparse[where] = dense <= END_ROW_MAX_WORDS
+    suspects = np.argwhere((intact | sparse) & before_stop)
+    for k, i in suspects:
+        if ended[k] or i >= live[k]:
+            continue
+        matcher = matchers[requests[k]]
+        path = tokens[k, : i + 1].tolist()
+        if intact[k, i] and _stopped_at(matcher, path[:-1]):
+            live[k] = i  # an end token after a complete grammar: nothing written
+        elif (
+            sparse[k, i]
+            and np.count_nonzero(target[own_rows[k, i]]) <= END_ROW_MAX_WORDS
+            and _ends(matcher, path)
+        ):
+            live[k] = i  # an end token: its row holds the end tokens only
+    return live
+
+
+def _stopped_at(matcher: Any, path: list[int]) -> bool:
+    fork = matcher.deep_copy()
+    return fork.try_consume_tokens(path) == len(path) and fork.is_stopped()
+
+
+def _ends(matcher: Any, path: list[int]) -> bool:
+    """Whether consuming ``path`` ends the grammar on its last token (an end token)."""
+    fork = matcher.deep_copy()
+    return fork.try_consume_tokens(path) == len(path) and fork.stop_reason() == _ENDED

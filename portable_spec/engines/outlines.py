@@ -1,0 +1,210 @@
+"""``outlines_core.Guide``: an iterative walk with ``advance`` and ``rollback_state``.
+
+Facts of outlines-core (0.2) this module relies on, each checked by the tests:
+
+* ``is_finished()`` means "the text may end here" (a final state, from which more tokens may
+  still follow), not "the end token was accepted"; the end token appears in the mask of final
+  states, but ``advance(eos)`` raises ``ValueError``. A node whose token the parent's row
+  allows but ``advance`` refuses, below a final state, is therefore *terminated* (the end
+  token); anywhere else it is rejected. A guide itself is never terminated: engines track
+  that themselves (pass ``None`` for finished requests).
+* ``advance`` of a refused token raises ``ValueError`` and leaves the state unchanged.
+* ``rollback_state(n)`` can undo only the states the guide stored, at most the
+  ``max_rollback`` it was built with; a walk that went deeper could not return. The depth
+  bound is read once per guide and trees deeper than it are refused before anything moves.
+  Like any advance/rollback cycle (vLLM's own included), a walk may push the oldest stored
+  states of a guide whose history is full out of its window.
+* ``write_mask_into(ptr, numel, 4)`` writes the current state's mask and zeroes the words past
+  the guide's vocabulary when ``numel`` is larger (it refuses smaller buffers). It costs tens
+  of microseconds in states that allow many tokens (inside a string: most of the vocabulary)
+  and holds the GIL. A mask depends only on the guide's index and its state
+  (``get_state()``), so rows are kept by ``(guide, state)`` in a bounded cache: sibling nodes
+  inside a string, and the same states step after step, are copied instead of recomputed.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from portable_spec.engines.base import IdentityCache, MatcherInfo
+
+__all__ = ["STATE_ROWS_BUDGET", "StateRows", "is_guide", "probe_outlines", "walk_outlines"]
+
+_cache = IdentityCache()
+_MAX_ROLLBACK_IN_MESSAGE = re.compile(r"max_rollback\s*=\s*(\d+)")
+
+
+def is_guide(cls: type) -> bool:
+    """Whether ``cls`` is ``outlines_core.Guide`` (or a subclass); imports nothing."""
+    import sys
+
+    module = sys.modules.get("outlines_core")
+    guide = getattr(module, "Guide", None) if module is not None else None
+    return guide is not None and isinstance(guide, type) and issubclass(cls, guide)
+
+
+def probe_outlines(guide: Any, model_words: int) -> MatcherInfo:
+    """Width and rollback depth of a guide, without moving it (cached per guide object).
+
+    The width is the model's: the guide accepts any buffer at least as wide as its vocabulary
+    and zeroes the words past it (a narrower model vocabulary raises ``ValueError`` naming
+    the guide's width). The depth bound is the ``max_rollback`` the guide was built with,
+    which outlines-core states in the error of a rollback past the stored states (that call
+    moves nothing); if the message changes, the states stored now are used, a lower bound.
+    """
+    info = _cache.get(guide)
+    if info is not None:
+        return info
+    probe = np.empty(model_words, dtype=np.int32)
+    guide.write_mask_into(probe.ctypes.data, model_words, 4)  # raises if narrower than its vocab
+    stored = int(guide.get_allowed_rollback())
+    depth = stored
+    try:
+        guide.rollback_state(stored + 1)
+    except ValueError as exc:
+        found = _MAX_ROLLBACK_IN_MESSAGE.search(str(exc))
+        if found is not None:
+            depth = int(found.group(1))
+    else:  # outlines-core changed: a rollback past the stored states moved the guide
+        raise TypeError("outlines_core.Guide.rollback_state no longer refuses to overrun")
+    info = MatcherInfo(words=model_words, vocab_size=32 * model_words, max_depth=depth)
+    _cache.put(guide, info)
+    return info
+
+
+#: bytes of mask rows kept by (guide, state) across builds
+STATE_ROWS_BUDGET = 32 << 20
+
+
+class StateRows:
+    """Mask rows by ``(guide, state, width)``, least recently used dropped past a byte budget.
+
+    Guides support neither weak references nor attributes: an entry holds its guide, so an
+    ``id`` cannot be reused while cached; a guide the engine dropped leaves with its entries.
+    Thread-safe.
+    """
+
+    def __init__(self, budget: int = STATE_ROWS_BUDGET) -> None:
+        self.budget = budget
+        self._rows: OrderedDict[tuple[int, int, int], tuple[Any, np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, guide: Any, state: int, words: int) -> np.ndarray | None:
+        key = (id(guide), state, words)
+        with self._lock:
+            entry = self._rows.get(key)
+            if entry is None or entry[0] is not guide:
+                return None
+            self._rows.move_to_end(key)
+            return entry[1]
+
+    def put(self, guide: Any, state: int, row: np.ndarray) -> None:
+        key = (id(guide), state, row.shape[0])
+        copy = row.copy()
+        with self._lock:
+            old = self._rows.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1].nbytes
+            self._rows[key] = (guide, copy)
+            self._bytes += copy.nbytes
+            while self._bytes > self.budget and self._rows:
+                _, (_, dropped) = self._rows.popitem(last=False)
+                self._bytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+            self._bytes = 0
+
+
+state_rows = StateRows()
+
+
+def walk_outlines(
+    guide: Any,
+    next_token: list[int],
+    next_sibling: list[int],
+    draft: list[int],
+    rows: np.ndarray,
+    vocab_limit: int,
+) -> tuple[list[bool], int, int]:
+    """Fill ``rows`` for one request with an iterative depth-first walk of ``guide``.
+
+    Args:
+        guide: an ``outlines_core.Guide`` in the request's current state; its ``max_rollback``
+            must cover the tree's depth (checked by the builder beforehand).
+        next_token, next_sibling, draft: this request's links and tokens (validated).
+        rows: C-contiguous int32 ``[nodes, words]``.
+        vocab_limit: tokens at or above this are rejected without asking the guide.
+
+    Returns:
+        ``(filled, checked, rejected)`` as :func:`portable_spec.engines.generic.walk_generic`.
+        The guide is back in its starting state, also when one of its methods raises.
+    """
+    nodes = len(next_token)
+    filled = [False] * nodes
+    base = rows.ctypes.data
+    row_bytes = rows.strides[0]
+    words = rows.shape[1]
+    write, advance, state_of = guide.write_mask_into, guide.advance, guide.get_state
+    cached, keep = state_rows.get, state_rows.put
+
+    def fill(node: int) -> None:
+        state = state_of()
+        row = cached(guide, state, words)
+        if row is None:
+            write(base + node * row_bytes, words, 4)
+            keep(guide, state, rows[node])
+        else:
+            rows[node] = row
+
+    fill(0)
+    filled[0] = True
+
+    def children(v: int) -> list[int]:
+        kids = []
+        c = next_token[v]
+        while c != -1:
+            kids.append(c)
+            c = next_sibling[c]
+        return kids
+
+    stack = [(c, 0, 1) for c in reversed(children(0))]
+    checked, rejected = len(stack), 0
+    depth_now = 0  # states the guide holds beyond its starting one
+    try:
+        while stack:
+            node, parent, depth = stack.pop()
+            token = draft[node]
+            if not 0 <= token < vocab_limit or not (
+                (int(rows[parent, token >> 5]) >> (token & 31)) & 1
+            ):
+                rejected += 1
+                continue
+            if depth_now >= depth:  # leave the previous sibling's subtree
+                guide.rollback_state(depth_now - depth + 1)
+                depth_now = depth - 1
+            try:
+                advance(token, return_tokens=False)
+            except ValueError:
+                # allowed by the mask but no transition: the end token below a final
+                # state (terminated), else a token into a dead state (rejected)
+                if not guide.is_finished():
+                    rejected += 1
+                continue
+            depth_now = depth
+            fill(node)
+            filled[node] = True
+            kids = children(node)
+            checked += len(kids)
+            stack.extend((c, node, depth + 1) for c in reversed(kids))
+    finally:
+        if depth_now:
+            guide.rollback_state(depth_now)
+    return filled, checked, rejected

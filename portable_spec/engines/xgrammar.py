@@ -1,0 +1,78 @@
+"""``xgrammar.GrammarMatcher``: facts by probing, rows by its C++ ``traverse_draft_tree``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from portable_spec.engines.base import IdentityCache, MatcherInfo
+
+__all__ = ["probe_xgrammar", "walk_xgrammar"]
+
+_cache = IdentityCache()
+_WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
+
+
+def probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
+    """Learn an xgrammar matcher's bitmask width and stop tokens without moving it (cached
+    per matcher object).
+
+    xgrammar exposes neither its vocabulary size nor its tokenizer from a matcher. Filling one
+    row at the model's width (filling never moves a matcher) succeeds when the widths agree,
+    the common case; otherwise xgrammar's error states the width it expects. A terminated
+    matcher refuses every fill, so a reset fork is probed instead.
+    """
+    info = _cache.get(matcher)
+    if info is not None:
+        return info
+    target = matcher
+    if matcher.is_terminated():
+        target = matcher.fork()
+        target.reset()
+    try:
+        target.fill_next_token_bitmask(np.empty((1, model_words), dtype=np.int32), 0)
+        words = model_words
+    except RuntimeError as exc:
+        found = _WIDTH_IN_MESSAGE.search(str(exc))
+        if found is None:
+            raise TypeError(
+                "could not determine the bitmask width of an xgrammar.GrammarMatcher: "
+                f"xgrammar said {exc}"
+            ) from exc
+        words = int(found.group(1))
+    stop_list = [int(t) for t in matcher.stop_token_ids]
+    info = MatcherInfo(
+        words=words,
+        vocab_size=32 * words,
+        stop_ids=np.asarray(stop_list, dtype=np.int64),
+        stop_set=frozenset(stop_list),
+    )
+    _cache.put(matcher, info)
+    return info
+
+
+def walk_xgrammar(
+    matcher: Any,
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    rows: np.ndarray,
+) -> bool:
+    """Fill ``rows`` for one request with ``GrammarMatcher.traverse_draft_tree``.
+
+    Args:
+        next_token, next_sibling, draft: this request's C-contiguous int64 ``[nodes]`` rows.
+        rows: C-contiguous int32 ``[nodes, words]`` with exactly the matcher's width.
+
+    Returns:
+        False when the matcher was terminated before the walk (nothing written), else True.
+        xgrammar writes the rows of accepted, non-terminated nodes; it zeroes rows of rejected
+        and terminated nodes and leaves rows it never reaches untouched. The caller rewrites
+        every row that is not an accepted, non-terminated node's (see ``builder``).
+    """
+    if matcher.is_terminated():
+        return False
+    matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
+    return True

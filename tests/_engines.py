@@ -1,0 +1,175 @@
+"""Requests of the other grammar engines for the oracle and the hypothesis cases.
+
+Each engine's matcher is wrapped for the oracle in xgrammar's interface (fill, accept, fork,
+is_terminated), written from the engines' documented behaviour with the end token known (the
+oracle is told the vocabulary's end token; the library never is). The library itself is
+given the engine's own object (``native()``) in the same starting state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from _oracle import Request
+
+# deep enough for any tree the tests draw plus its prefix
+OUTLINES_ROLLBACK = 64
+
+
+class LLOracle:
+    """An ``llguidance.LLMatcher`` seen through xgrammar's interface. The end token is never
+    consumed: accepting it (where the mask allows it) marks the oracle terminated."""
+
+    def __init__(self, inner: Any, eos: int, ended: bool = False) -> None:
+        self.inner = inner
+        self.eos = eos
+        self.ended = ended
+
+    @property
+    def records_end(self) -> bool:
+        # a grammar already complete (stopped) consumes the end token without a trace
+        return not self.inner.is_stopped()
+
+    def fill_next_token_bitmask(self, buf: np.ndarray, index: int) -> None:
+        row = buf[index]
+        self.inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept_token(self, token: int) -> bool:
+        if token == self.eos:
+            self.ended = self._allows(token)
+            return self.ended
+        return self.inner.try_consume_tokens([token]) == 1
+
+    def _allows(self, token: int) -> bool:
+        row = np.zeros((1, (self.inner_vocab() + 31) // 32), dtype=np.int32)
+        self.fill_next_token_bitmask(row, 0)
+        return bool((int(row[0, token >> 5]) >> (token & 31)) & 1)
+
+    def inner_vocab(self) -> int:
+        return len(self.inner.compute_bitmask()) * 8 - 32  # one bit per token, one word slack
+
+    def is_terminated(self) -> bool:
+        return self.ended
+
+    def fork(self) -> LLOracle:
+        return LLOracle(self.inner.deep_copy(), self.eos, self.ended)
+
+
+class OutlinesOracle:
+    """An ``outlines_core.Guide`` seen through xgrammar's interface: forks replay the tokens
+    on a new guide of the same index; the end token is accepted (never advanced) where the
+    mask allows it."""
+
+    def __init__(self, index: Any, eos: int, tokens: list[int] | None = None) -> None:
+        import outlines_core
+
+        self.index = index
+        self.eos = eos
+        self.tokens: list[int] = []
+        self.ended = False
+        self.inner = outlines_core.Guide(index, max_rollback=OUTLINES_ROLLBACK)
+        for t in tokens or []:
+            assert self.accept_token(t)
+
+    records_end = False  # a guide never shows that its text ended
+
+    def fill_next_token_bitmask(self, buf: np.ndarray, index: int) -> None:
+        row = buf[index]
+        self.inner.write_mask_into(row.ctypes.data, row.size, 4)
+
+    def accept_token(self, token: int) -> bool:
+        if token == self.eos:
+            self.ended = self.inner.is_finished()  # the end token is allowed in final states
+            return self.ended
+        try:
+            self.inner.advance(token, return_tokens=False)
+        except ValueError:
+            return False
+        self.tokens.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.ended
+
+    def fork(self) -> OutlinesOracle:
+        fork = OutlinesOracle(self.index, self.eos, self.tokens)
+        fork.ended = self.ended
+        return fork
+
+
+@dataclass
+class LLRequest(Request):
+    """``compiled``: a serialized llguidance grammar; ``tokenizer``/``eos``: its vocabulary."""
+
+    tokenizer: Any = None
+    eos: int = -1
+
+    def native(self) -> Any:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, self.compiled, log_level=0)
+        end = len(self.prefix)
+        if self.prefix and self.prefix[-1] == self.eos:
+            end -= 1  # consumed as the engines do: the matcher records it (EndOfSentence)
+        assert matcher.try_consume_tokens(self.prefix) >= end, "prefix refused"
+        return matcher
+
+    def fresh(self) -> LLOracle:
+        import llguidance
+
+        oracle = LLOracle(
+            llguidance.LLMatcher(self.tokenizer, self.compiled, log_level=0), self.eos
+        )
+        for t in self.prefix:
+            assert oracle.accept_token(t), f"prefix token {t} refused"
+        return oracle
+
+
+@dataclass
+class OutlinesRequest(Request):
+    """``compiled``: an ``outlines_core.Index``; ``eos``: its vocabulary's end token."""
+
+    eos: int = -1
+    max_rollback: int = OUTLINES_ROLLBACK
+
+    def native(self) -> Any:
+        import outlines_core
+
+        guide = outlines_core.Guide(self.compiled, max_rollback=self.max_rollback)
+        for t in self.prefix:
+            guide.advance(t, return_tokens=False)
+        return guide
+
+    def fresh(self) -> OutlinesOracle:
+        return OutlinesOracle(self.compiled, self.eos, self.prefix)
+
+
+def engine_request(engine: str, kind: str, eos: int) -> Request:
+    """A request of ``engine`` ("xgrammar" excluded) on a sample grammar of SmolLM2."""
+    from portable_spec.demo import grammar_engines as ge
+
+    if engine == "llguidance":
+        return LLRequest(ge.llguidance_grammar(kind), tokenizer=ge.llguidance_tokenizer(), eos=eos)
+    if engine == "outlines":
+        return OutlinesRequest(ge.outlines_index(kind), eos=eos)
+    raise ValueError(engine)
+
+
+def fingerprint(matcher: Any, words: int, probe: list[int]) -> tuple:
+    """The observable state of an engine's own object (for "every matcher is restored")."""
+    row = np.zeros(words, dtype=np.int32)
+    kind = type(matcher).__module__ + "." + type(matcher).__name__
+    if "LLMatcher" in kind:
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return (
+            matcher.is_stopped(),
+            matcher.stop_reason(),
+            row.tobytes(),
+            tuple(matcher.validate_tokens([t]) for t in probe),
+        )
+    if "Guide" in kind:
+        matcher.write_mask_into(row.ctypes.data, words, 4)
+        return (matcher.get_state(), matcher.get_allowed_rollback(), row.tobytes())
+    raise TypeError(kind)
