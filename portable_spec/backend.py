@@ -1,7 +1,7 @@
 """The backend contract: what every array framework provides to the portable core.
 
 A backend is the small piece of framework-specific code between the host mask builder and an
-accelerator. The core calls it at four points of one decoding step, always in this order::
+accelerator. The core calls it at these points of one decoding step, always in this order::
 
     stage    tree arrays on the device  ->  host copies, started without blocking
     layout   placement + row capacity   ->  where each row goes in the host buffer (checks)

@@ -179,6 +179,8 @@ def _cpu8() -> list:
 
 
 def _placement(kind: str):
+    if kind == "default-device":  # the accelerator when JAX_PLATFORMS puts one first
+        return jax.devices()[0]
     if kind == "one-device":
         return jax.devices("cpu")[0]
     mesh = Mesh(np.array(_cpu8()), ("b",))
@@ -208,7 +210,7 @@ def _untouched(requests):
 
 
 # -- issue 14 item 12: donated tree arrays ---------------------------------------------------------
-@pytest.mark.parametrize("kind", ["one-device", "batch-sharded", "replicated"])
+@pytest.mark.parametrize("kind", ["default-device", "one-device", "batch-sharded", "replicated"])
 def test_tree_arrays_donated_right_after_from_device(kind, smollm2):
     """Engines donate the tree arrays to their next jit right after ``from_device``. On the
     CPU the donated buffers are reused for that jit's outputs, so their memory is overwritten;

@@ -142,7 +142,10 @@ def mask_layout(
 
     With a placement that splits the mask's rows into ``parts`` blocks, ``capacity`` (the
     global row count) gives each block ``capacity / parts`` rows: its requests' rows first,
-    then padding. This process's host buffer holds its own blocks, in row order. A placement
+    then padding. This process's host buffer holds its own blocks, in row order (the core
+    builds the rows contiguously, then moves each block to its place: one pass over the built
+    rows, about 1 ms per 16 MiB on the 2-core machine, and none when the batch fills the
+    capacity). A placement
     that also splits the words axis into ``k`` blocks needs ``vocab_size % (32 * k) == 0``,
     so that each device's mask words cover exactly its slice of vocab-sharded logits.
     """
