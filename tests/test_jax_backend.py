@@ -278,13 +278,6 @@ def test_no_grammar_with_row_capacity_gives_the_all_allowed_mask(smollm2):
     assert ps.build_grammar_vocab_mask([None] * batch, tree, smollm2.size) is None
 
 
-def test_no_grammar_with_row_capacity_on_numpy(smollm2):
-    tree = ps.GrammarTree.from_linear_chain(np.zeros((2, 3), np.int64))
-    mask = ps.build_grammar_vocab_mask([None, None], tree, smollm2.size, row_capacity=8)
-    assert isinstance(mask, np.ndarray) and mask.shape == (8, smollm2.words)
-    assert (mask == -1).all()
-
-
 # -- item 14: row capacity per row shard -------------------------------------------------------------
 def test_row_capacity_pads_each_row_shard(smollm2):
     """Padding went to the global end, moving 28 of 32 rows off their request's device. Now
