@@ -13,12 +13,12 @@ import portable_spec as ps
 
 @pytest.fixture
 def case(smollm2):
-    """Two JSON requests of 3 nodes (root -> "{" -> '"'), the second unconstrained."""
+    """Two requests of 3 nodes (root -> "{" -> '"'): the first unconstrained, the second JSON."""
     brace, quote = smollm2.tokens.index("{"), smollm2.tokens.index('"')
     nt = np.array([[1, 2, -1], [1, 2, -1]])
     ns = np.full((2, 3), -1)
     dt = np.array([[0, brace, quote], [0, brace, quote]])
-    requests = [Request(smollm2.grammars["builtin_json"]), None]
+    requests = [None, Request(smollm2.grammars["builtin_json"])]
     want = expected_mask(requests, nt, ns, dt, smollm2.size, smollm2.words)
     return requests, ps.GrammarTree.from_host(nt, ns, dt), want
 
@@ -74,7 +74,7 @@ def test_a_bad_backend_layout_is_refused_before_matchers_move(case, smollm2, mon
         return ps.MaskLayout(10, blocks, placement)
 
     monkeypatch.setattr(ps.get_backend("numpy"), "mask_layout", bad)
-    matchers = [ProtocolMatcher(requests[0].fresh()), None]
+    matchers = [None, ProtocolMatcher(requests[1].fresh())]
     with pytest.raises(ValueError, match="invalid mask layout"):
         ps.build_grammar_vocab_mask(matchers, tree, smollm2.size, row_capacity=10)
-    assert matchers[0].calls == []
+    assert matchers[1].calls == []
