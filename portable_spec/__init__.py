@@ -14,7 +14,7 @@ hands over their objects (or asks for a backend by name).
 """
 
 from portable_spec.api import apply_vocab_mask, build_grammar_vocab_mask
-from portable_spec.backend import ArrayInfo, Backend, StagedArrays
+from portable_spec.backend import ArrayInfo, Backend, MaskLayout, StagedArrays
 from portable_spec.builder import build_host_bitmask
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
@@ -38,6 +38,7 @@ __all__ = [
     "GrammarTree",
     "HostBuffer",
     "HostBufferPool",
+    "MaskLayout",
     "MatcherError",
     "StagedArrays",
     "apply_vocab_mask",

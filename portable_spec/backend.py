@@ -1,9 +1,10 @@
 """The backend contract: what every array framework provides to the portable core.
 
 A backend is the small piece of framework-specific code between the host mask builder and an
-accelerator. The core calls it at four points of one decoding step, always in this order::
+accelerator. The core calls it at these points of one decoding step, always in this order::
 
     stage    tree arrays on the device  ->  host copies, started without blocking
+    layout   placement + row capacity   ->  where each row goes in the host buffer (checks)
     resolve  wait for that copy only    ->  numpy int64 arrays
     (the core builds the bitmask into a host buffer the backend lent it)
     upload   host bitmask               ->  device array, started without blocking
@@ -25,7 +26,7 @@ import numpy as np
 
 from portable_spec.hostbuffers import HostBuffer
 
-__all__ = ["ArrayInfo", "Backend", "StagedArrays"]
+__all__ = ["ArrayInfo", "Backend", "MaskLayout", "StagedArrays"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,34 @@ class ArrayInfo:
     shape: tuple[int, ...]
     dtype: Any
     is_integer: bool
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """Where this process's mask rows go in the host buffer, and where the buffer is uploaded.
+
+    Built by :meth:`Backend.mask_layout` before any matcher moves. The core builds the rows of
+    the process's tree (row ``b * nodes + j`` for node ``j`` of request ``b``) at the start of
+    the host buffer, then moves each block to its place and sets every row no block covers to
+    all-allowed (-1).
+
+    Attributes:
+        host_rows: rows of the host buffer: the part of the mask this process uploads (the whole
+            mask unless the placement spans several processes).
+        blocks: ``(first built row, rows, first host row)`` triples, in ascending order, that
+            together cover the built rows ``[0, batch * nodes)`` once; each block's host row is
+            at or after its built row and the blocks do not overlap in the host buffer.
+        placement: what the core passes to :meth:`Backend.upload` (and
+            :meth:`Backend.acquire_host_mask`).
+        collective: whether the mask is one array over several processes. Every process then
+            returns a mask (all-allowed when none of its requests has a grammar), so that all
+            of them run the same program.
+    """
+
+    host_rows: int
+    blocks: tuple[tuple[int, int, int], ...]
+    placement: Any = None
+    collective: bool = False
 
 
 class StagedArrays(Protocol):
@@ -105,6 +134,45 @@ class Backend(ABC):
             f"{type(array).__name__} from backend {self.name!r} is not a host array; "
             "use GrammarTree.from_device for arrays on an accelerator"
         )
+
+    # -- mask layout ---------------------------------------------------------------------------
+    def mask_layout(
+        self,
+        placement: Any,
+        batch: int,
+        nodes: int,
+        vocab_size: int,
+        row_capacity: int | None,
+    ) -> MaskLayout:
+        """Check a mask's placement and capacity and say where its rows go; before any matcher
+        moves, so it must not block or touch device data.
+
+        Args:
+            placement: the ``device`` the mask goes to (as given to
+                :func:`portable_spec.build_grammar_vocab_mask`, or the tree's device).
+            batch, nodes: the shape of this process's tree (the mask's built rows are
+                ``batch * nodes``).
+            vocab_size: the logits' width (the mask has ``ceil(vocab_size / 32)`` words).
+            row_capacity: the number of rows of the returned mask (``None``: the built rows).
+                For a placement that spans several processes it counts the rows of the whole
+                (global) mask.
+
+        Returns:
+            The default: the built rows first, padding at the end, ``placement`` unchanged, not
+            collective. Backends whose placements split the mask's rows over devices override
+            it so that every device holds its own requests' rows first, then its padding.
+
+        Raises:
+            ValueError: ``row_capacity`` is smaller than ``batch * nodes`` (or cannot be split
+                the way the placement needs), or the placement cannot hold the mask.
+        """
+        rows = batch * nodes
+        capacity = rows if row_capacity is None else row_capacity
+        if capacity < rows:
+            raise ValueError(
+                f"row_capacity = {capacity} is smaller than the mask's {rows} rows (batch * nodes)"
+            )
+        return MaskLayout(capacity, ((0, rows, 0),), placement)
 
     # -- host buffers / upload -------------------------------------------------------------------
     @abstractmethod

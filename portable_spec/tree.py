@@ -36,7 +36,10 @@ class _Ready:
 
 
 def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
-    info = backend.array_info(array)
+    try:
+        info = backend.array_info(array)
+    except ValueError as exc:  # e.g. a JAX array deleted (donated) before staging
+        raise ValueError(f"{name}: {exc}") from exc
     if not info.is_integer:
         raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
     if len(info.shape) not in (1, 2):

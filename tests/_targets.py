@@ -24,6 +24,7 @@ class Target:
     float_dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     device: Callable[[], Any] = lambda: None  # explicit upload destination (None: the tree's)
     check_placement: Callable[[Any], None] = lambda mask: None
+    row_parts: int = 1  # row shards of the mask of a tree staged from this target
 
     def skip_reason(self) -> str | None:
         return self.available()
@@ -187,6 +188,7 @@ def _jax_targets() -> list[Target]:
             lambda a: _to_jax(a, mesh_sharding(("b",) if a.ndim == 2 else ())),
             np.asarray,
             check_placement=row_sharded,
+            row_parts=8,
         ),
         Target(
             "jax-cpu-replicated",

@@ -94,13 +94,19 @@ def test_linear_chain_from_device(target, batch_case, smollm2):
 
 
 def test_row_capacity(target, batch_case, smollm2):
+    """Padding goes to the end of every row shard (the whole mask on unsharded targets), so
+    that each device keeps its own requests' rows."""
     requests, nt, ns, dt, want = batch_case
     tree = ps.GrammarTree.from_device(*(target.put(a) for a in (nt, ns, dt)))
     mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size, row_capacity=64)
     host = target.get(mask)
     assert host.shape == (64, smollm2.words)
-    np.testing.assert_array_equal(host[:48], want)
-    assert (host[48:] == -1).all()
+    parts = target.row_parts
+    per_shard, own = 64 // parts, BATCH * NODES // parts
+    for k in range(parts):
+        shard = host[k * per_shard : (k + 1) * per_shard]
+        np.testing.assert_array_equal(shard[:own], want[k * own : (k + 1) * own])
+        assert (shard[own:] == -1).all()
 
 
 def _reference_masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:

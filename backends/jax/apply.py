@@ -1,4 +1,4 @@
-"""``apply_vocab_mask`` for JAX: a pure, jit-friendly function."""
+"""``apply_vocab_mask`` for JAX: one jitted function, inlined into the caller's ``jax.jit``."""
 
 from __future__ import annotations
 
@@ -8,17 +8,25 @@ import jax.numpy as jnp
 __all__ = ["apply_vocab_mask_jax"]
 
 
-def apply_vocab_mask_jax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+def _apply_vocab_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """Return ``logits`` with ``-inf`` where bit ``t`` of ``mask[i]`` is 0.
 
     ``logits``: ``[rows, vocab]`` or ``[vocab]`` of any floating dtype (float32, bfloat16 and
     float16 are exact: every kept logit is bit-identical, every dropped one is ``-inf``).
     ``mask``: int32 ``[rows, words]`` or ``[words]``. Columns past ``32 * words`` are kept.
 
-    Pure and shape-static: call it inside the engine's own ``jax.jit`` (donate ``logits`` to
-    reuse their memory). Each logit reads its word through a broadcast of the mask along a
-    new minor axis of 32, which XLA fuses into the single elementwise select: no
-    ``[rows, words, 32]`` (or ``[rows, vocab]`` integer) array is materialised.
+    Pure and shape-static, and itself a ``jax.jit`` function: called eagerly it runs as one
+    compiled computation (compiled once per shape and dtype), and inside the engine's own
+    ``jax.jit`` it is inlined into the caller's computation. Each logit reads its word through
+    a broadcast of the mask along a new minor axis of 32, which XLA fuses into the single
+    elementwise select: no ``[rows, words, 32]`` (or ``[rows, vocab]`` integer) array is
+    materialised. Donating ``logits`` to the enclosing ``jit`` pays only if that ``jit``
+    returns the masked logits (or another array of their shape and dtype).
+
+    Raises:
+        TypeError: ``logits`` not floating or ``mask`` not int32 (when traced).
+        ValueError: shapes that are not ``[rows, vocab]`` / ``[rows, words]`` with the same
+            rows (when traced).
     """
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
@@ -48,3 +56,7 @@ def apply_vocab_mask_jax(logits: jax.Array, mask: jax.Array) -> jax.Array:
         )
     masked = jnp.where(allowed, logits_2d, jnp.asarray(-jnp.inf, dtype=logits.dtype))
     return masked[0] if one_row else masked
+
+
+apply_vocab_mask_jax = jax.jit(_apply_vocab_mask, inline=True)
+apply_vocab_mask_jax.__doc__ = _apply_vocab_mask.__doc__
