@@ -1,0 +1,193 @@
+"""Part 2c, overlap (GPU only): the mask build while a verify-sized forward runs on the GPU.
+
+The stand-in verify forward is the matmul work of a Llama-3-8B-shaped model over
+``batch * nodes`` tokens (64 x 16 = 1024), in bf16: 32 layers of
+``[T, 4096] @ [4096, 6144]`` (q, k, v with 8 KV heads), ``[T, 4096] @ [4096, 4096]`` (o),
+``[T, 4096] @ [4096, 28672]`` (gate and up) and ``[T, 14336] @ [14336, 4096]`` (down), then the
+LM head ``[T, 4096] @ [4096, 131072]`` giving the logits (no attention, norms or activations:
+the matmuls are 99% of such a forward's FLOPs). One layer's weights are reused by all layers.
+
+Each round, on fresh tree tensors and a fresh batch of requests, the step is timed from the
+tree's ``from_device`` to ``torch.cuda.synchronize()`` after the sampler's apply:
+
+``forward + apply``    the GPU work alone (a prebuilt mask): the floor of a step
+``build``              ``from_device`` + ``build_grammar_vocab_mask``, synchronized
+``serial``             wait for the forward, then build, upload and apply (no overlap)
+``library upload``     forward queued, then ``build_grammar_vocab_mask`` (the library's
+                       upload), then ``apply_vocab_mask``
+``same-stream upload`` forward queued, then ``build_host_bitmask`` into a pinned buffer and
+                       ``host.to(device, non_blocking=True)`` on the current stream, then apply
+
+``hidden = (serial - overlapped) / build`` is the share of the build the forward hid, and
+``exposed = overlapped - (forward + apply)`` the host time a step pays beyond the GPU work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from portable_spec.bench.build import warm_matchers
+from portable_spec.bench.timing import Method, cuda_event_timer, median, run_rounds
+from portable_spec.bench.workloads import synthetic_setup
+from portable_spec.devicecheck.profiles import Profile
+from portable_spec.devicecheck.results import PartRecorder, SkipSection
+from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
+
+__all__ = ["LAYER_MATMULS", "VerifyStandIn", "run"]
+
+HIDDEN = 4096
+LAYERS = 32
+#: (in, out) of each matmul of one layer; the next matmul reads the first ``in`` columns
+LAYER_MATMULS = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
+
+
+class VerifyStandIn:
+    """The stand-in verify forward: ``forward()`` queues the matmuls on the current CUDA
+    stream and returns the ``[tokens, vocab]`` bf16 logits at once (asynchronous)."""
+
+    def __init__(self, tokens: int, vocab: int, device: Any) -> None:
+        import torch
+
+        gen = torch.Generator(device=device).manual_seed(3)
+
+        def weight(fan_in: int, fan_out: int) -> Any:
+            w = torch.randn((fan_in, fan_out), generator=gen, device=device, dtype=torch.bfloat16)
+            return w / fan_in**0.5
+
+        self.weights = [weight(i, o) for i, o in LAYER_MATMULS]
+        self.head = weight(HIDDEN, vocab)
+        self.x = torch.randn((tokens, HIDDEN), generator=gen, device=device, dtype=torch.bfloat16)
+        per_layer = sum(i * o for i, o in LAYER_MATMULS)
+        self.flops = 2 * tokens * (LAYERS * per_layer + HIDDEN * vocab)
+
+    def forward(self) -> Any:
+        """Queue the forward; returns the logits tensor (not yet computed)."""
+        x = self.x
+        for _ in range(LAYERS):
+            for w in self.weights:
+                x = x[:, : w.shape[0]] @ w
+        return x[:, :HIDDEN] @ self.head
+
+
+def run(rec: PartRecorder, profile: Profile) -> None:
+    """The overlap section (skipped without CUDA)."""
+    import torch
+
+    with rec.section("overlap"):
+        if not torch.cuda.is_available():
+            raise SkipSection("no CUDA device")
+        _overlap(rec, profile)
+
+
+def _overlap(rec: PartRecorder, profile: Profile) -> None:
+    import torch
+
+    import portable_spec as ps
+
+    device = torch.device("cuda")
+    batch, nodes, vocab = profile.overlap_batch, profile.nodes, profile.vocab
+    setup = synthetic_setup(vocab)
+    pool = json_pool(setup, nodes, batch)
+    warm_matchers(pool, vocab)
+    rows = batch * nodes
+    model = VerifyStandIn(rows, vocab, device)
+    premask = torch.from_numpy(tiled_mask(pool, vocab, rows)).to(device)
+    pinned = torch.empty((rows, setup.words), dtype=torch.int32).pin_memory()
+    pinned_np = pinned.numpy()
+    rec.note(
+        "workload",
+        {
+            **describe(setup, pool),
+            "batch": batch,
+            "forward": f"Llama-3-8B-shaped matmuls, {LAYERS} layers + LM head, "
+            f"{rows} tokens, bf16, {model.flops / 1e12:.1f} TFLOP",
+            "library_threads": ps.get_num_threads(),
+        },
+    )
+
+    def inputs(_r: int) -> tuple[list[Any], tuple[Any, ...]]:
+        sample = pool.sample(batch)
+        host = (sample.next_token, sample.next_sibling, sample.draft_tokens)
+        arrays = tuple(torch.from_numpy(a).to(device) for a in host)
+        torch.cuda.synchronize()
+        return sample.matchers, arrays
+
+    def step(body: Callable[[list[Any], tuple[Any, ...]], Any]) -> Callable[[Any], Any]:
+        def prepare(data: Any) -> Callable[[], Any]:
+            def call() -> Any:
+                out = body(*data)
+                torch.cuda.synchronize()
+                return out
+
+            return call
+
+        return prepare
+
+    def forward_apply(_m: list[Any], _a: tuple[Any, ...]) -> Any:
+        return ps.apply_vocab_mask(model.forward(), premask)
+
+    def build(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
+        return ps.build_grammar_vocab_mask(matchers, ps.GrammarTree.from_device(*arrays), vocab)
+
+    def serial(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
+        tree = ps.GrammarTree.from_device(*arrays)
+        logits = model.forward()
+        torch.cuda.synchronize()
+        return ps.apply_vocab_mask(logits, ps.build_grammar_vocab_mask(matchers, tree, vocab))
+
+    def library(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
+        tree = ps.GrammarTree.from_device(*arrays)
+        logits = model.forward()
+        return ps.apply_vocab_mask(logits, ps.build_grammar_vocab_mask(matchers, tree, vocab))
+
+    def same_stream(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
+        tree = ps.GrammarTree.from_device(*arrays)
+        logits = model.forward()
+        ps.build_host_bitmask(matchers, tree, vocab, out=pinned_np)
+        return ps.apply_vocab_mask(logits, pinned.to(device, non_blocking=True))
+
+    methods = [
+        Method("forward + apply", step(forward_apply)),
+        Method("build", step(build)),
+        Method("serial", step(serial)),
+        Method("library upload", step(library)),
+        Method("same-stream upload", step(same_stream)),
+    ]
+    agree: list[bool] = []
+
+    def on_warmup(_data: Any, results: dict[str, Any]) -> None:
+        # the banned pattern, not the values: matmul results need not be bit-reproducible
+        banned = [torch.isneginf(results[k]) for k in ("library upload", "serial")]
+        banned.append(torch.isneginf(results["same-stream upload"]))
+        agree.append(all(torch.equal(banned[0], b) for b in banned[1:]))
+
+    seconds, _ = run_rounds(methods, inputs, profile.plan, on_warmup=on_warmup)
+    med = {k: median(v) for k, v in seconds.items()}
+    forward_s = _forward_seconds(model)
+    build_s = med["build"]
+    rec.check("overlap", "the three steps ban the same logits", all(agree))
+    record: dict[str, Any] = {
+        "batch": batch,
+        "nodes": nodes,
+        "tokens": rows,
+        "rounds": len(seconds["build"]),
+        "seconds": med,
+        "forward_event_seconds": forward_s,
+        "forward_tflops": model.flops / forward_s / 1e12,
+        "threads": ps.get_num_threads(),
+    }
+    for name in ("library upload", "same-stream upload"):
+        record[name] = {
+            "hidden": (med["serial"] - med[name]) / build_s,
+            "exposed_s": med[name] - med["forward + apply"],
+        }
+    rec.add("overlap", record)
+
+
+def _forward_seconds(model: VerifyStandIn, rounds: int = 5) -> float:
+    """Median CUDA-event time of the stand-in forward alone."""
+    timer = cuda_event_timer()
+    return float(np.median([timer(model.forward) for _ in range(rounds)]))
