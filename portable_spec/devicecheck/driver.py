@@ -134,6 +134,10 @@ def _run_part(spec: PartSpec, options: Options, limit: float, log: TextIO) -> di
         returncode = None
     data = read_json(result)
     status, reasons = part_status(data, returncode, timed_out)
+    for section in (data or {}).get("sections", {}).values():
+        if section["status"] == "running":  # the section the part died in
+            section["status"] = "timeout" if timed_out else "error"
+            section["reason"] = "killed at the part's time limit" if timed_out else "part ended"
     entry: dict[str, Any] = {"status": status, "reasons": reasons, "returncode": returncode}
     if data is not None:
         entry["sections"] = data.get("sections", {})

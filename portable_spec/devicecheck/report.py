@@ -235,7 +235,7 @@ def _measurements(payload: dict[str, Any]) -> list[str]:
             title, render_records = _SECTIONS.get(section, (section, lambda _r: []))
             lines += ["", f"### {title}", ""]
             if entry["status"] != "ok":
-                lines.append(f"{entry['status']}: {entry.get('reason', '')}")
+                lines += [f"{entry['status']}: {entry.get('reason', '')}", ""]
             if entry.get("records"):
                 lines += render_records(entry["records"])
     return lines
