@@ -33,8 +33,10 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$mode" = cpu ]; then
+  if [ -z "${PYTHON:-}" ]; then
+    bash scripts/setup.sh || exit 1  # the project's .venv (once; then only a check)
+  fi
   py=${PYTHON:-.venv/bin/python}
-  [ -x "$py" ] || py=python3
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 else
   py=${PYTHON:-python3}
@@ -45,6 +47,10 @@ else
   export TORCH_EXTENSIONS_DIR=/tmp/portable-spec-torch-extensions  # kept for a rerun
   if [ -f .device/smollm2-vocab.json.gz ]; then
     export PORTABLE_SPEC_VOCAB=$PWD/.device/smollm2-vocab.json.gz
+  fi
+  if ! ls .device/wheels/*.whl >/dev/null 2>&1; then
+    echo "device-check: no .device/wheels: run scripts/fetch-device-wheels.sh where PyPI is" \
+      "reachable and carry .device (xgrammar will be missing)" >&2
   fi
 fi
 export PYTHONUNBUFFERED=1

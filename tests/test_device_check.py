@@ -50,6 +50,9 @@ def test_exits_zero_and_writes_both_reports(check):
     log = (out / "device-check.log").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
     assert payload["exit_code"] == 0 and payload["mode"] == "cpu"
+    machine = payload["machine"]
+    assert machine["gpu"] is None and machine["usable_cores"] >= 1
+    assert machine["versions"]["xgrammar"] and machine["versions"]["torch"]
     report = (out / "device-check.md").read_text()
     assert "**PASSED**" in report
     for part in PARTS:

@@ -26,7 +26,7 @@ from portable_spec.devicecheck import report
 from portable_spec.devicecheck.correctness import SUITES, kill_group, run_suite
 from portable_spec.devicecheck.results import read_json
 
-__all__ = ["PARTS", "PartSpec", "part_status", "run_check"]
+__all__ = ["PARTS", "PartSpec", "machine_summary", "part_status", "run_check"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,28 @@ def _run_correctness(options: Options, limit: float, log: TextIO) -> dict[str, A
     return {"status": status, "reasons": reasons, "suites": suites}
 
 
+def machine_summary(environment: dict[str, Any]) -> dict[str, Any]:
+    """The headline facts of the environment part: GPU, CPU, cores, versions."""
+
+    def first(section: str) -> dict[str, Any]:
+        records = environment.get("sections", {}).get(section, {}).get("records") or [{}]
+        return records[0]
+
+    torch, host, packages = first("torch"), first("host"), first("packages")
+    return {
+        "gpu": torch.get("gpu"),
+        "gpu_capability": torch.get("capability"),
+        "gpu_memory_gib": torch.get("memory_gib"),
+        "torch_cuda": torch.get("cuda_build"),
+        "jax_default_backend": first("jax").get("default_backend"),
+        "cpu": host.get("cpu"),
+        "usable_cores": host.get("usable_cores"),
+        "python": host.get("python"),
+        "versions": {k: v for k, v in packages.get("versions", {}).items() if v},
+        "native_helper": packages.get("native_helper"),
+    }
+
+
 def _exit_code(parts: dict[str, dict[str, Any]]) -> int:
     gate_failed = any(
         part["status"] not in ("passed", "skipped") for name, part in parts.items()
@@ -235,6 +257,8 @@ def run_check(options: Options) -> int:
                 entry = _run_part(spec, options, limit, log)
             entry.update(title=spec.title, wall_s=time.monotonic() - t0, limit_s=max(limit, 0))
             payload["parts"][spec.name] = entry
+            if spec.name == "environment":
+                payload["machine"] = machine_summary(entry)
             payload["wall_s"] = time.monotonic() - start
             payload["exit_code"] = _exit_code(payload["parts"])
             _write(payload, options.out)
