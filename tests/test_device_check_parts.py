@@ -250,3 +250,77 @@ def test_copy_install_lays_out_the_package_like_pyproject(tmp_path):
 @pytest.mark.parametrize("text", ["4.16.0", "0.1.15.post2", "2.50.5", "10.0rc1"])
 def test_version_keys_order_releases(text):
     assert prepare._version_key(text) < prepare._version_key("99.0")
+
+
+# -- the GPU-only measurements' code, run on the CPU ------------------------------------------
+# On the GPU machine these run on CUDA; here a CPU device runs the same code (tiny forward,
+# one round), so that a change elsewhere cannot break them unseen until a GPU is lent.
+
+
+@pytest.fixture
+def quick_profile():
+    import dataclasses
+
+    from portable_spec.bench.timing import RoundPlan
+    from portable_spec.devicecheck.profiles import CPU
+
+    return dataclasses.replace(CPU, plan=RoundPlan(min_rounds=1, max_rounds=1, budget_s=0.0))
+
+
+def test_overlap_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
+    torch = pytest.importorskip("torch")
+    from portable_spec.devicecheck.overlap import VerifyStandIn, measure_overlap
+
+    device = torch.device("cpu")
+    rows = quick_profile.overlap_batch * quick_profile.nodes
+    model = VerifyStandIn(
+        rows, quick_profile.vocab, device, hidden=32, layers=1, matmuls=((32, 48), (32, 32))
+    )
+    assert model.forward().shape == (rows, quick_profile.vocab)
+    rec = PartRecorder(str(tmp_path / "overlap.json"), "timings.overlap", "cpu")
+    with rec.section("overlap"):
+        measure_overlap(rec, quick_profile, device, model)
+    entry = rec.data["sections"]["overlap"]
+    assert entry["status"] == "ok", entry.get("traceback")
+    assert entry["checks"] and all(c["ok"] for c in entry["checks"])
+    (record,) = entry["records"]
+    assert set(record["seconds"]) == {
+        "forward + apply",
+        "build",
+        "serial",
+        "library upload",
+        "same-stream upload",
+    }
+    assert record["tokens"] == rows and record["forward_tflops"] > 0
+    assert set(record["library upload"]) == {"hidden", "exposed_s"}
+
+
+def test_upload_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
+    torch = pytest.importorskip("torch")
+    from portable_spec.devicecheck.torch_timings import upload_one
+
+    host = np.random.default_rng(0).integers(-(2**31), 2**31, (64, 4096)).astype(np.int32)
+    rec = PartRecorder(str(tmp_path / "torch.json"), "timings.torch", "cpu")
+    with rec.section("upload"):
+        upload_one(rec, quick_profile, host, torch.device("cpu"))
+    entry = rec.data["sections"]["upload"]
+    assert entry["status"] == "ok", entry.get("traceback")
+    assert all(c["ok"] for c in entry["checks"])
+    (record,) = entry["records"]
+    assert set(record["gb_per_s"]) == {"backend.upload", "pinned copy_", "pageable .to()"}
+    assert record["bytes"] == host.nbytes
+
+
+def test_run_rounds_times_with_the_given_timer():
+    from portable_spec.bench.timing import Method, RoundPlan, run_rounds
+
+    calls = []
+
+    def timer(call):
+        call()
+        return 0.25
+
+    method = Method("m", lambda data: lambda: calls.append(data))
+    seconds, inputs = run_rounds([method], lambda r: r, RoundPlan(3, 3, 0.0), timer=timer)
+    assert seconds == {"m": [0.25, 0.25, 0.25]} and inputs == [0, 1, 2]
+    assert calls == [-1, 0, 1, 2]  # the warm-up round, then the timed ones

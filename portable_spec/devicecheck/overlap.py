@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from portable_spec.bench.build import warm_matchers
-from portable_spec.bench.timing import Method, cuda_event_timer, median, run_rounds
+from portable_spec.bench.timing import Method, cuda_event_timer, host_timer, median, run_rounds
 from portable_spec.bench.workloads import synthetic_setup
 from portable_spec.devicecheck.profiles import Profile
 from portable_spec.devicecheck.results import PartRecorder, SkipSection
 from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
 
-__all__ = ["LAYER_MATMULS", "VerifyStandIn", "run"]
+__all__ = ["LAYER_MATMULS", "VerifyStandIn", "measure_overlap", "run"]
 
 HIDDEN = 4096
 LAYERS = 32
@@ -46,9 +46,22 @@ LAYER_MATMULS = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
 
 class VerifyStandIn:
     """The stand-in verify forward: ``forward()`` queues the matmuls on the current CUDA
-    stream and returns the ``[tokens, vocab]`` bf16 logits at once (asynchronous)."""
+    stream and returns the ``[tokens, vocab]`` bf16 logits at once (asynchronous on a GPU).
 
-    def __init__(self, tokens: int, vocab: int, device: Any) -> None:
+    ``hidden``, ``layers`` and ``matmuls`` default to the 8B shapes above (smaller ones let
+    the measurement's code run on a CPU in the tests).
+    """
+
+    def __init__(
+        self,
+        tokens: int,
+        vocab: int,
+        device: Any,
+        *,
+        hidden: int = HIDDEN,
+        layers: int = LAYERS,
+        matmuls: tuple[tuple[int, int], ...] = LAYER_MATMULS,
+    ) -> None:
         import torch
 
         gen = torch.Generator(device=device).manual_seed(3)
@@ -57,19 +70,20 @@ class VerifyStandIn:
             w = torch.randn((fan_in, fan_out), generator=gen, device=device, dtype=torch.bfloat16)
             return w / fan_in**0.5
 
-        self.weights = [weight(i, o) for i, o in LAYER_MATMULS]
-        self.head = weight(HIDDEN, vocab)
-        self.x = torch.randn((tokens, HIDDEN), generator=gen, device=device, dtype=torch.bfloat16)
-        per_layer = sum(i * o for i, o in LAYER_MATMULS)
-        self.flops = 2 * tokens * (LAYERS * per_layer + HIDDEN * vocab)
+        self.hidden, self.layers = hidden, layers
+        self.weights = [weight(i, o) for i, o in matmuls]
+        self.head = weight(hidden, vocab)
+        self.x = torch.randn((tokens, hidden), generator=gen, device=device, dtype=torch.bfloat16)
+        per_layer = sum(i * o for i, o in matmuls)
+        self.flops = 2 * tokens * (layers * per_layer + hidden * vocab)
 
     def forward(self) -> Any:
-        """Queue the forward; returns the logits tensor (not yet computed)."""
+        """Queue the forward; returns the logits tensor (not yet computed on a GPU)."""
         x = self.x
-        for _ in range(LAYERS):
+        for _ in range(self.layers):
             for w in self.weights:
                 x = x[:, : w.shape[0]] @ w
-        return x[:, :HIDDEN] @ self.head
+        return x[:, : self.hidden] @ self.head
 
 
 def run(rec: PartRecorder, profile: Profile) -> None:
@@ -79,30 +93,39 @@ def run(rec: PartRecorder, profile: Profile) -> None:
     with rec.section("overlap"):
         if not torch.cuda.is_available():
             raise SkipSection("no CUDA device")
-        _overlap(rec, profile)
+        measure_overlap(rec, profile, torch.device("cuda"))
 
 
-def _overlap(rec: PartRecorder, profile: Profile) -> None:
+def measure_overlap(
+    rec: PartRecorder, profile: Profile, device: Any, model: VerifyStandIn | None = None
+) -> None:
+    """Time the five methods on ``device`` and add one record to the ``overlap`` section.
+
+    ``model``: the stand-in forward (default: the 8B shapes over ``batch * nodes`` tokens).
+    On a CPU device everything runs synchronously, so nothing overlaps; the tests use it to
+    run this code without a GPU.
+    """
     import torch
 
     import portable_spec as ps
 
-    device = torch.device("cuda")
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
     batch, nodes, vocab = profile.overlap_batch, profile.nodes, profile.vocab
     setup = synthetic_setup(vocab)
     pool = json_pool(setup, nodes, batch)
     warm_matchers(pool, vocab)
     rows = batch * nodes
-    model = VerifyStandIn(rows, vocab, device)
+    model = model or VerifyStandIn(rows, vocab, device)
     premask = torch.from_numpy(tiled_mask(pool, vocab, rows)).to(device)
-    pinned = torch.empty((rows, setup.words), dtype=torch.int32).pin_memory()
+    pinned = torch.empty((rows, setup.words), dtype=torch.int32, pin_memory=cuda)
     pinned_np = pinned.numpy()
     rec.note(
         "workload",
         {
             **describe(setup, pool),
             "batch": batch,
-            "forward": f"Llama-3-8B-shaped matmuls, {LAYERS} layers + LM head, "
+            "forward": f"Llama-3-8B-shaped matmuls, {model.layers} layers + LM head, "
             f"{rows} tokens, bf16, {model.flops / 1e12:.1f} TFLOP",
             "library_threads": ps.get_num_threads(),
         },
@@ -112,14 +135,14 @@ def _overlap(rec: PartRecorder, profile: Profile) -> None:
         sample = pool.sample(batch)
         host = (sample.next_token, sample.next_sibling, sample.draft_tokens)
         arrays = tuple(torch.from_numpy(a).to(device) for a in host)
-        torch.cuda.synchronize()
+        sync()
         return sample.matchers, arrays
 
     def step(body: Callable[[list[Any], tuple[Any, ...]], Any]) -> Callable[[Any], Any]:
         def prepare(data: Any) -> Callable[[], Any]:
             def call() -> Any:
                 out = body(*data)
-                torch.cuda.synchronize()
+                sync()
                 return out
 
             return call
@@ -135,7 +158,7 @@ def _overlap(rec: PartRecorder, profile: Profile) -> None:
     def serial(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
         tree = ps.GrammarTree.from_device(*arrays)
         logits = model.forward()
-        torch.cuda.synchronize()
+        sync()
         return ps.apply_vocab_mask(logits, ps.build_grammar_vocab_mask(matchers, tree, vocab))
 
     def library(matchers: list[Any], arrays: tuple[Any, ...]) -> Any:
@@ -166,7 +189,8 @@ def _overlap(rec: PartRecorder, profile: Profile) -> None:
 
     seconds, _ = run_rounds(methods, inputs, profile.plan, on_warmup=on_warmup)
     med = {k: median(v) for k, v in seconds.items()}
-    forward_s = _forward_seconds(model)
+    timer = cuda_event_timer() if cuda else host_timer
+    forward_s = float(np.median([timer(model.forward) for _ in range(5)]))
     build_s = med["build"]
     rec.check("overlap", "the three steps ban the same logits", all(agree))
     record: dict[str, Any] = {
@@ -185,9 +209,3 @@ def _overlap(rec: PartRecorder, profile: Profile) -> None:
             "exposed_s": med[name] - med["forward + apply"],
         }
     rec.add("overlap", record)
-
-
-def _forward_seconds(model: VerifyStandIn, rounds: int = 5) -> float:
-    """Median CUDA-event time of the stand-in forward alone."""
-    timer = cuda_event_timer()
-    return float(np.median([timer(model.forward) for _ in range(rounds)]))

@@ -41,7 +41,7 @@ from portable_spec.devicecheck.profiles import Profile
 from portable_spec.devicecheck.results import PartRecorder, SkipSection
 from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
 
-__all__ = ["run", "unpack_mask_torch"]
+__all__ = ["run", "unpack_mask_torch", "upload_one"]
 
 
 def run(rec: PartRecorder, profile: Profile) -> None:
@@ -102,43 +102,51 @@ def _upload(rec: PartRecorder, profile: Profile, setup: Setup, device: Any) -> N
     for batch in profile.upload_batches:
         rows = batch * profile.nodes
         host = rng.integers(-(2**31), 2**31, (rows, setup.words), dtype=np.int64).astype(np.int32)
-        _upload_one(rec, profile, host, device)
+        upload_one(rec, profile, host, device)
 
 
-def _synchronized(issue: Callable[[], Any]) -> Callable[[], Any]:
-    """``issue()`` then ``torch.cuda.synchronize()`` (every stream of the device)."""
+def _synchronized(issue: Callable[[], Any], device: Any) -> Callable[[], Any]:
+    """``issue()`` then ``torch.cuda.synchronize()`` (every stream of the device; nothing to
+    wait for on the CPU)."""
     import torch
 
     def call() -> Any:
         out = issue()
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return out
 
     return call
 
 
-def _upload_one(rec: PartRecorder, profile: Profile, host: np.ndarray, device: Any) -> None:
+def upload_one(rec: PartRecorder, profile: Profile, host: np.ndarray, device: Any) -> None:
+    """Time the three uploads of the ``[rows, words]`` int32 ``host`` mask to ``device`` (a
+    CUDA device in the check; the tests run it on the CPU) and add an ``upload`` record."""
     import torch
 
     import portable_spec as ps
 
     backend = ps.get_backend("cuda")
     rows, words = host.shape
-    pinned = torch.from_numpy(host).pin_memory()
+    pinned = (
+        torch.from_numpy(host).pin_memory() if device.type == "cuda" else torch.from_numpy(host)
+    )
     dst = torch.empty((rows, words), dtype=torch.int32, device=device)
 
     def library(_: None) -> Callable[[], Any]:
         buffer = backend.acquire_host_mask(rows, words, device)
         buffer.array[...] = host  # untimed: the build fills it in an engine
-        return _synchronized(lambda: backend.upload(buffer, device))
+        return _synchronized(lambda: backend.upload(buffer, device), device)
 
     methods = [
         Method("backend.upload", library),
         Method(
-            "pinned copy_", lambda _: _synchronized(lambda: dst.copy_(pinned, non_blocking=True))
+            "pinned copy_",
+            lambda _: _synchronized(lambda: dst.copy_(pinned, non_blocking=True), device),
         ),
         Method(
-            "pageable .to()", lambda _: _synchronized(lambda: torch.from_numpy(host).to(device))
+            "pageable .to()",
+            lambda _: _synchronized(lambda: torch.from_numpy(host).to(device), device),
         ),
     ]
     agree: list[bool] = []
