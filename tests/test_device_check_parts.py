@@ -293,6 +293,8 @@ def test_overlap_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
     }
     assert record["tokens"] == rows and record["forward_tflops"] > 0
     assert set(record["library upload"]) == {"hidden", "exposed_s"}
+    report = _render(rec)
+    assert "| library upload | 64 x 16 |" in report and "| same-stream upload |" in report
 
 
 def test_upload_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
@@ -309,6 +311,16 @@ def test_upload_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
     (record,) = entry["records"]
     assert set(record["gb_per_s"]) == {"backend.upload", "pinned copy_", "pageable .to()"}
     assert record["bytes"] == host.nbytes
+    assert "pinned copy_: " in _render(rec)
+
+
+def _render(rec):
+    """The Markdown report of a payload holding only ``rec``'s part."""
+    from portable_spec.devicecheck import report
+
+    part = {"status": "passed", "reasons": [], "title": rec.data["part"], **rec.data}
+    payload = {"mode": "cpu", "exit_code": 0, "parts": {rec.data["part"]: part}}
+    return report.render(payload)
 
 
 def test_run_rounds_times_with_the_given_timer():

@@ -199,16 +199,17 @@ def _scaling(records: list[dict[str, Any]]) -> list[str]:
             f"{t['ms']:.2f} ({t['speedup']:.2f}x, {t['efficiency']:.0%}, {t['vs_xgr_loop']:.2f}x)"
             for t in r["threads"].values()
         ]
-        rows.append(
-            [r["batch"], r["nodes"], r["accepted_nodes"], f"{r['xgr_loop_ms']:.2f}", *cells]
-        )
-    lines = _table(
-        ["batch", "nodes", "accepted", "xgr loop ms", *[f"{k} threads" for k in counts]], rows
-    )
+        busy = r.get("other_busy_cores")
+        bg = "-" if busy is None else f"{busy:.2f}"
+        loop = f"{r['xgr_loop_ms']:.2f}"
+        rows.append([r["batch"], r["nodes"], r["accepted_nodes"], loop, *cells, bg])
+    header = ["batch", "nodes", "accepted", "xgr loop ms", *[f"{k} threads" for k in counts]]
     return [
-        *lines,
+        *_table([*header, "bg"], rows),
         "",
-        "Cells: median ms (speed-up over 1 thread, efficiency, xgrammar loop / library).",
+        "Cells: median ms (speed-up over 1 thread, efficiency, xgrammar loop / library). "
+        "bg: cores other processes kept busy meanwhile (above about 0.2 the figures are "
+        "disturbed).",
     ]
 
 
