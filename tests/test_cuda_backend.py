@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import xgrammar as xgr  # noqa: E402
 from _oracle import Request, expected_mask  # noqa: E402
@@ -27,7 +26,7 @@ from portable_spec.backends.cuda.staging import stage_tensors  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
 
-CUDA = torch.device("cuda", torch.cuda.current_device())
+CUDA = torch.device("cuda", 0)
 # GPU clock cycles for torch.cuda._sleep: about 0.25 to 0.5 s on current GPUs, far longer
 # than any host work a test does in the meantime.
 LONG = 1_000_000_000
