@@ -22,6 +22,18 @@
  *       clear; an accepted stop token is not a refusal). The links must be valid
  *       (links_valid); they are still bounds-checked.
  *
+ *   keep_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state, kept)
+ *       -> (kept, checked, rejected)
+ *       The decision of repair_rows without its writes: `rows` is only read, and the nodes
+ *       that keep their row are written in ascending order into `kept` (int32 [nodes]); the
+ *       first `kept` entries are valid. For the compact layout, which copies exactly those
+ *       rows out and never writes an all-allowed one.
+ *
+ *   take_rows(source, index, dest)
+ *       dest[i, :w] = source[index[i], :w] for every i, w = min(source width, dest width);
+ *       the words of dest past the source's width are set to 0. int32 rows; `index` int32 in
+ *       [0, rows of source) (checked: ValueError, nothing written).
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -134,47 +146,24 @@ static PyObject *links_valid(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------------------------------- */
 
-static PyObject *repair_rows(PyObject *self, PyObject *args) {
-    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj;
-    long long limit;
-    int root_ok;
-    if (!PyArg_ParseTuple(args, "OOOOLOi", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &limit,
-                          &stops_obj, &root_ok))
-        return NULL;
-    Py_buffer rows, nt, ns, dt, stops;
-    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
-    if (get_buffer(nt_obj, &nt, 0, 'i', 8, 1, "next_token") != 0) goto fail_rows;
-    if (get_buffer(ns_obj, &ns, 0, 'i', 8, 1, "next_sibling") != 0) goto fail_nt;
-    if (get_buffer(dt_obj, &dt, 0, 'i', 8, 1, "draft") != 0) goto fail_ns;
-    if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_dt;
-    Py_ssize_t n = rows.shape[0], words = rows.shape[1];
-    if (nt.shape[0] != n || ns.shape[0] != n || dt.shape[0] != n || n < 1 ||
-        limit > (long long)words * 32) {
-        PyErr_SetString(PyExc_ValueError, "repair_rows: inconsistent shapes or limit");
-        goto fail_all;
-    }
-    void *scratch = malloc((size_t)n * (sizeof(int32_t) + 1));
-    if (scratch == NULL) {
-        PyErr_NoMemory();
-        goto fail_all;
-    }
-    int32_t *queue = (int32_t *)scratch;
-    uint8_t *keep = (uint8_t *)(queue + n);
-    Py_ssize_t kept = 0, checked = 0, rejected = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int32_t *mask = (int32_t *)rows.buf;
-    const int64_t *first = (const int64_t *)nt.buf, *next = (const int64_t *)ns.buf;
-    const int64_t *token = (const int64_t *)dt.buf, *stop = (const int64_t *)stops.buf;
-    Py_ssize_t nstops = stops.shape[0];
+/* Which nodes of one request keep their row: breadth first from the root, a node's test
+   reads its (kept) parent's row. Fills keep[0..n) with 0/1; returns the number kept and the
+   nodes checked and rejected through the pointers. No GIL needed. */
+static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t words,
+                              const int64_t *first, const int64_t *next, const int64_t *token,
+                              long long limit, const int64_t *stop, Py_ssize_t nstops,
+                              int root_ok, int32_t *queue, uint8_t *keep,
+                              Py_ssize_t *checked_out, Py_ssize_t *rejected_out) {
+    Py_ssize_t checked = 0, rejected = 0;
     memset(keep, 0, (size_t)n);
     if (root_ok < 0) {
         root_ok = 0;
         for (Py_ssize_t w = 0; w < words && !root_ok; w++)
             root_ok = mask[w] != 0;
     }
+    Py_ssize_t tail = 0;
     if (root_ok) {
-        /* breadth first from the root: a node's test reads its (kept) parent's row */
-        Py_ssize_t head = 0, tail = 0;
+        Py_ssize_t head = 0;
         keep[0] = 1;
         queue[tail++] = 0;
         while (head < tail) {
@@ -194,30 +183,168 @@ static PyObject *repair_rows(PyObject *self, PyObject *args) {
                 }
             }
         }
-        kept = tail;
     }
+    *checked_out = checked;
+    *rejected_out = rejected;
+    return tail;
+}
+
+/* Parse the arguments shared by repair_rows and keep_rows; on success every buffer is held. */
+typedef struct {
+    Py_buffer rows, nt, ns, dt, stops;
+    long long limit;
+    int root_ok;
+} RowArgs;
+
+static void release_row_args(RowArgs *a) {
+    PyBuffer_Release(&a->stops);
+    PyBuffer_Release(&a->dt);
+    PyBuffer_Release(&a->ns);
+    PyBuffer_Release(&a->nt);
+    PyBuffer_Release(&a->rows);
+}
+
+static int parse_row_args(PyObject *rows_obj, PyObject *nt_obj, PyObject *ns_obj,
+                          PyObject *dt_obj, PyObject *stops_obj, int writable, RowArgs *a) {
+    if (get_buffer(rows_obj, &a->rows, writable, 'i', 4, 2, "rows") != 0) return -1;
+    if (get_buffer(nt_obj, &a->nt, 0, 'i', 8, 1, "next_token") != 0) goto fail_rows;
+    if (get_buffer(ns_obj, &a->ns, 0, 'i', 8, 1, "next_sibling") != 0) goto fail_nt;
+    if (get_buffer(dt_obj, &a->dt, 0, 'i', 8, 1, "draft") != 0) goto fail_ns;
+    if (get_buffer(stops_obj, &a->stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_dt;
+    Py_ssize_t n = a->rows.shape[0], words = a->rows.shape[1];
+    if (a->nt.shape[0] != n || a->ns.shape[0] != n || a->dt.shape[0] != n || n < 1 ||
+        a->limit > (long long)words * 32) {
+        PyErr_SetString(PyExc_ValueError, "repair_rows: inconsistent shapes or limit");
+        release_row_args(a);
+        return -1;
+    }
+    return 0;
+fail_dt:
+    PyBuffer_Release(&a->dt);
+fail_ns:
+    PyBuffer_Release(&a->ns);
+fail_nt:
+    PyBuffer_Release(&a->nt);
+fail_rows:
+    PyBuffer_Release(&a->rows);
+    return -1;
+}
+
+static PyObject *repair_rows(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj;
+    RowArgs a;
+    if (!PyArg_ParseTuple(args, "OOOOLOi", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &a.limit,
+                          &stops_obj, &a.root_ok))
+        return NULL;
+    if (parse_row_args(rows_obj, nt_obj, ns_obj, dt_obj, stops_obj, 1, &a) != 0) return NULL;
+    Py_ssize_t n = a.rows.shape[0], words = a.rows.shape[1];
+    void *scratch = malloc((size_t)n * (sizeof(int32_t) + 1));
+    if (scratch == NULL) {
+        release_row_args(&a);
+        return PyErr_NoMemory();
+    }
+    int32_t *queue = (int32_t *)scratch;
+    uint8_t *keep = (uint8_t *)(queue + n);
+    Py_ssize_t kept, checked, rejected;
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *mask = (int32_t *)a.rows.buf;
+    kept = decide_rows(mask, n, words, (const int64_t *)a.nt.buf, (const int64_t *)a.ns.buf,
+                       (const int64_t *)a.dt.buf, a.limit, (const int64_t *)a.stops.buf,
+                       a.stops.shape[0], a.root_ok, queue, keep, &checked, &rejected);
     for (Py_ssize_t v = 0; v < n; v++)
         if (!keep[v]) memset(mask + v * words, 0xff, sizeof(int32_t) * (size_t)words);
     Py_END_ALLOW_THREADS
     free(scratch);
-    PyBuffer_Release(&stops);
-    PyBuffer_Release(&dt);
-    PyBuffer_Release(&ns);
-    PyBuffer_Release(&nt);
-    PyBuffer_Release(&rows);
+    release_row_args(&a);
     return Py_BuildValue("nnn", kept, checked, rejected);
+}
 
-fail_all:
-    PyBuffer_Release(&stops);
-fail_dt:
-    PyBuffer_Release(&dt);
-fail_ns:
-    PyBuffer_Release(&ns);
-fail_nt:
-    PyBuffer_Release(&nt);
-fail_rows:
-    PyBuffer_Release(&rows);
-    return NULL;
+static PyObject *keep_rows(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj, *kept_obj;
+    RowArgs a;
+    if (!PyArg_ParseTuple(args, "OOOOLOiO", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &a.limit,
+                          &stops_obj, &a.root_ok, &kept_obj))
+        return NULL;
+    if (parse_row_args(rows_obj, nt_obj, ns_obj, dt_obj, stops_obj, 0, &a) != 0) return NULL;
+    Py_buffer out;
+    if (get_buffer(kept_obj, &out, 1, 'i', 4, 1, "kept") != 0) {
+        release_row_args(&a);
+        return NULL;
+    }
+    Py_ssize_t n = a.rows.shape[0], words = a.rows.shape[1];
+    if (out.shape[0] < n) {
+        PyBuffer_Release(&out);
+        release_row_args(&a);
+        PyErr_SetString(PyExc_ValueError, "keep_rows: kept must have room for every node");
+        return NULL;
+    }
+    void *scratch = malloc((size_t)n * (sizeof(int32_t) + 1));
+    if (scratch == NULL) {
+        PyBuffer_Release(&out);
+        release_row_args(&a);
+        return PyErr_NoMemory();
+    }
+    int32_t *queue = (int32_t *)scratch;
+    uint8_t *keep = (uint8_t *)(queue + n);
+    Py_ssize_t kept, checked, rejected;
+    Py_BEGIN_ALLOW_THREADS
+    kept = decide_rows((const int32_t *)a.rows.buf, n, words, (const int64_t *)a.nt.buf,
+                       (const int64_t *)a.ns.buf, (const int64_t *)a.dt.buf, a.limit,
+                       (const int64_t *)a.stops.buf, a.stops.shape[0], a.root_ok, queue, keep,
+                       &checked, &rejected);
+    int32_t *dest = (int32_t *)out.buf;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t v = 0; v < n; v++)
+        if (keep[v]) dest[k++] = (int32_t)v;
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&out);
+    release_row_args(&a);
+    return Py_BuildValue("nnn", kept, checked, rejected);
+}
+
+static PyObject *take_rows(PyObject *self, PyObject *args) {
+    PyObject *src_obj, *index_obj, *dest_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &src_obj, &index_obj, &dest_obj)) return NULL;
+    Py_buffer src, index, dest;
+    if (get_buffer(src_obj, &src, 0, 'i', 4, 2, "source") != 0) return NULL;
+    if (get_buffer(index_obj, &index, 0, 'i', 4, 1, "index") != 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (get_buffer(dest_obj, &dest, 1, 'i', 4, 2, "dest") != 0) {
+        PyBuffer_Release(&index);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t n = src.shape[0], src_words = src.shape[1], k = index.shape[0];
+    Py_ssize_t dest_words = dest.shape[1];
+    const int32_t *which = (const int32_t *)index.buf;
+    int ok = dest.shape[0] == k;
+    for (Py_ssize_t i = 0; ok && i < k; i++) ok = which[i] >= 0 && which[i] < n;
+    if (!ok) {
+        PyBuffer_Release(&dest);
+        PyBuffer_Release(&index);
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError,
+                        "take_rows: dest needs one row per index, every index a source row");
+        return NULL;
+    }
+    Py_ssize_t common = src_words < dest_words ? src_words : dest_words;
+    Py_BEGIN_ALLOW_THREADS
+    const int32_t *from = (const int32_t *)src.buf;
+    int32_t *to = (int32_t *)dest.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int32_t *row = to + i * dest_words;
+        memcpy(row, from + (Py_ssize_t)which[i] * src_words, sizeof(int32_t) * (size_t)common);
+        if (dest_words > common)
+            memset(row + common, 0, sizeof(int32_t) * (size_t)(dest_words - common));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dest);
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -229,12 +356,19 @@ static PyMethodDef methods[] = {
      "(kept, checked, rejected): write -1 into every row of one request that is not an "
      "accepted, non-terminated node's; count rows kept, draft nodes checked against the "
      "grammar and those refused (GIL released)."},
+    {"keep_rows", keep_rows, METH_VARARGS,
+     "keep_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_ok, kept) -> "
+     "(kept, checked, refused): the decision of repair_rows without writing any row; the "
+     "kept nodes go to `kept` (int32 [nodes]) in ascending order (GIL released)."},
+    {"take_rows", take_rows, METH_VARARGS,
+     "take_rows(source, index, dest): dest[i] = source[index[i]] for int32 rows, words past "
+     "the source's width set to 0 (GIL released)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "portable_spec._native",
-    "GIL-free index work of the mask build (link validation, row repair).", -1, methods,
+    "GIL-free index work of the mask build (link validation, row repair, row copies).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
