@@ -19,6 +19,8 @@ from portable_spec.builder import build_host_bitmask
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import CompactMask
+from portable_spec.pending import PendingMask
 from portable_spec.pool import get_num_threads, set_num_threads
 from portable_spec.registry import available_backends, backend_for, get_backend, register_backend
 from portable_spec.stats import (
@@ -34,12 +36,14 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayInfo",
     "Backend",
+    "CompactMask",
     "GrammarMatcherLike",
     "GrammarTree",
     "HostBuffer",
     "HostBufferPool",
     "MaskLayout",
     "MatcherError",
+    "PendingMask",
     "StagedArrays",
     "apply_vocab_mask",
     "available_backends",

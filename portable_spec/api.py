@@ -10,8 +10,11 @@ from typing import Any
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, build_host_bitmask, check_vocab_size
+from portable_spec.builder import ALL_ALLOWED, build_host_bitmask, check_layout, check_vocab_size
 from portable_spec.grammars import words_for
+from portable_spec.masks import CompactMask, compact_views, index_words
+from portable_spec.pending import start_pending
+from portable_spec.pool import submit
 from portable_spec.registry import backend_for
 from portable_spec.stats import record_upload
 from portable_spec.tree import GrammarTree
@@ -34,6 +37,9 @@ def build_grammar_vocab_mask(
     *,
     device: Any = None,
     row_capacity: int | None = None,
+    layout: str = "dense",
+    max_rows: int | None = None,
+    wait: bool = True,
 ) -> Any:
     """Build the batch's grammar bitmask on the host and start its upload to ``device``.
 
@@ -54,7 +60,26 @@ def build_grammar_vocab_mask(
             the whole mask: when the placement splits the rows over devices (or processes),
             each device gets ``row_capacity / parts`` rows, its own requests' rows first, then
             its padding, so the capacity must divide evenly and leave every part room for its
-            requests.
+            requests. With ``layout="compact"``: the logits rows the mask applies to
+            (``num_rows``), the row indices being those of the dense mask of that capacity.
+        layout: ``"dense"`` (default) or ``"compact"``: a :class:`portable_spec.CompactMask`
+            of the backend's arrays, listing only the rows of accepted, non-terminated nodes
+            of constrained requests (``K`` of them; every other row is all-allowed). Only
+            those ``K`` rows are written on the host and sent to the device, with their int32
+            row indices. Single-process placements only (a mask split over devices gets a
+            compact mask replicated on them).
+        max_rows: compact only: the number of entries of the returned mask (``K`` real ones,
+            then padding that applies to nothing), so that XLA and CUDA graphs see one shape.
+            ``ValueError`` if a build lists more rows (after the walks; every matcher is back
+            in its state). ``None``: exactly ``K`` entries.
+        wait: ``True`` (default) blocks until the host mask is built and its upload started.
+            ``False`` returns a :class:`portable_spec.PendingMask` at once; the build and the
+            upload run on the library's background thread and pool, and ``result()`` returns
+            (or raises) what the blocking call would have. **The build owns the matchers
+            until ``result()`` returns**: the caller must not touch them, and another build
+            over any of them is refused with ``ValueError`` meanwhile. The upload behaves as
+            if made by the caller at call time (torch: the stream current on the calling
+            thread is the one made to wait for it; JAX: the caller's default device).
 
     Returns:
         The backend's int32 ``[rows, ceil(vocab / 32)]`` array, ``rows`` being
@@ -63,47 +88,156 @@ def build_grammar_vocab_mask(
         has a grammar (the engine should then drop any mask it kept from an earlier step),
         **except** when ``row_capacity`` is given or the placement spans other processes: then
         the all-allowed mask of that shape and placement comes back, so the engine's jitted
-        sampler sees one signature and every process runs the same program.
+        sampler sees one signature and every process runs the same program. With
+        ``layout="compact"``, a ``CompactMask`` of the backend's arrays instead (an empty one,
+        or ``max_rows`` padding entries, rather than ``None`` when ``row_capacity`` or
+        ``max_rows`` is given). With ``wait=False``, a ``PendingMask`` of that result.
 
     Raises:
-        TypeError, ValueError: bad grammars, tree, vocabulary size, ``row_capacity`` or
+        TypeError, ValueError: bad grammars, tree, vocabulary size, ``row_capacity``, layout or
             placement (for example a capacity the placement's row shards cannot divide);
-            raised before any matcher moves.
+            raised before any matcher moves. With ``wait=False`` only the checks that need no
+            matcher and no tree data run in the call (argument types, placement, matchers held
+            by a pending build); the rest surface from ``result()``.
         MatcherError: a matcher raised during its walk (every matcher is back in its state).
 
-    Blocks while the host mask is built (after waiting for the tree's staged copy); the
-    upload itself is started without blocking. The host buffer comes from the backend's pool
-    (pinned where the platform has pinning) and is reused only after the upload finished and
-    no returned array aliases it.
+    Blocks while the host mask is built (after waiting for the tree's staged copy), unless
+    ``wait=False``; the upload itself is started without blocking. The host buffer comes from
+    the backend's pool (pinned where the platform has pinning) and is reused only after the
+    upload finished and no returned array aliases it.
     """
     started = perf_counter()
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
     backend, placement = _target(tree, device)
     words = words_for(check_vocab_size(vocab_size))
+    max_rows = check_layout(layout, max_rows)
     rows = tree.batch * tree.nodes
     capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-    layout = backend.mask_layout(placement, tree.batch, tree.nodes, vocab_size, capacity)
-    _check_layout(layout, rows, backend)
-    always = capacity is not None or layout.collective
-    buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
+    mask_layout = backend.mask_layout(placement, tree.batch, tree.nodes, vocab_size, capacity)
+    _check_layout(mask_layout, rows, backend)
+    if layout == "compact":
+        _check_compact(backend, mask_layout)
+    args = (grammars, tree, vocab_size, backend, mask_layout, words, capacity)
+    if wait:
+        mask, upload_seconds = _build_and_upload(*args, layout, max_rows)
+        record_upload(upload_seconds, perf_counter() - started)
+        return mask
+    if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
+        raise TypeError(
+            f"grammars must be a sequence with one entry per request, got {type(grammars).__name__}"
+        )
+
+    def build() -> Any:
+        mask, upload_seconds = _build_and_upload(*args, layout, max_rows)
+        record_upload(upload_seconds, 0.0)
+        return mask
+
+    context = backend.capture_context(mask_layout.placement)
+    handle = start_pending(list(grammars), build, context, submit)
+    record_upload(0.0, perf_counter() - started)
+    return handle
+
+
+def _build_and_upload(
+    grammars: Sequence[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    backend: Backend,
+    mask_layout: MaskLayout,
+    words: int,
+    capacity: int | None,
+    layout: str,
+    max_rows: int | None,
+) -> tuple[Any, float]:
+    """Build into a pooled host buffer and start the upload; ``(mask, upload seconds)``."""
+    rows = tree.batch * tree.nodes
+    always = capacity is not None or mask_layout.collective
+    if layout == "compact":
+        return _build_compact(
+            grammars, tree, vocab_size, backend, mask_layout, words, always, max_rows
+        )
+    buffer = backend.acquire_host_mask(mask_layout.host_rows, words, mask_layout.placement)
     try:
         mask = build_host_bitmask(grammars, tree, vocab_size, out=buffer.array[:rows])
         if mask is None and not always:
             backend.release_host_mask(buffer)
-            return None
+            return None, 0.0
         if mask is None:
             buffer.array.fill(ALL_ALLOWED)
         else:
-            _arrange(buffer.array, layout.blocks)
+            _arrange(buffer.array, mask_layout.blocks)
     except BaseException:
         backend.release_host_mask(buffer)
         raise
     uploading = perf_counter()
-    uploaded = backend.upload(buffer, layout.placement)
-    done = perf_counter()
-    record_upload(done - uploading, done - started)
-    return uploaded
+    uploaded = backend.upload(buffer, mask_layout.placement)
+    return uploaded, perf_counter() - uploading
+
+
+def _build_compact(
+    grammars: Sequence[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    backend: Backend,
+    mask_layout: MaskLayout,
+    words: int,
+    always: bool,
+    max_rows: int | None,
+) -> tuple[Any, float]:
+    """The compact layout of :func:`_build_and_upload`: one pooled block holds the bits and
+    the row index; only the listed rows are written."""
+    rows = tree.batch * tree.nodes
+    num_rows = mask_layout.host_rows
+    entries = rows if max_rows is None else max_rows
+    block_rows = entries + index_words(entries, words)
+    buffer = backend.acquire_host_mask(block_rows, words, mask_layout.placement)
+    try:
+        index, bits = compact_views(buffer.array, entries)
+        host = build_host_bitmask(
+            grammars,
+            tree,
+            vocab_size,
+            out=CompactMask(index, bits, rows),
+            layout="compact",
+            max_rows=max_rows,
+        )
+        if host is None and not always and max_rows is None:
+            backend.release_host_mask(buffer)
+            return None, 0.0
+        count = 0 if host is None else host.count
+        size = (0 if max_rows is None else max_rows) if host is None else host.capacity
+        _move_rows(index[:count], mask_layout.blocks)  # type: ignore[misc]
+        index[count:size] = num_rows  # padding: a row past the logits
+        mask = CompactMask(index[:size], bits[:size], num_rows, count)
+    except BaseException:
+        backend.release_host_mask(buffer)
+        raise
+    uploading = perf_counter()
+    uploaded = backend.upload_compact(buffer, mask, mask_layout.placement)
+    return uploaded, perf_counter() - uploading
+
+
+def _check_compact(backend: Backend, mask_layout: MaskLayout) -> None:
+    if not backend.supports_compact():
+        raise TypeError(f"backend {backend.name!r} has no compact mask layout (layout='compact')")
+    if mask_layout.collective:
+        raise ValueError(
+            "layout='compact' needs a placement within this process; a mask spanning several "
+            "processes is dense (use layout='dense')"
+        )
+
+
+def _move_rows(index: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> None:
+    """Built row numbers -> rows of the host mask, block by block (see :class:`MaskLayout`)."""
+    if all(src == dst for src, _count, dst in blocks) or not index.size:
+        return
+    starts = np.array([src for src, _count, _dst in blocks], dtype=np.int64)
+    shift = np.array([dst - src for src, _count, dst in blocks], dtype=np.int64)
+    block = np.searchsorted(starts, index, side="right") - 1
+    index += shift[block].astype(np.int32)
 
 
 def _check_capacity(row_capacity: Any, rows: int) -> int:
@@ -151,7 +285,9 @@ def apply_vocab_mask(logits: Any, mask: Any) -> Any:
     Args:
         logits: ``[rows, vocab]`` (or ``[vocab]``) floating array of any registered framework.
         mask: int32 ``[rows, ceil(vocab / 32)]`` bitmask of the same framework (as returned by
-            :func:`build_grammar_vocab_mask`), or ``None`` (logits returned unchanged).
+            :func:`build_grammar_vocab_mask`), a :class:`CompactMask` of that framework's
+            arrays with ``num_rows == rows`` (only its listed rows are touched; the result is
+            that of the dense mask), or ``None`` (logits returned unchanged).
 
     Returns:
         The masked logits. numpy and torch modify ``logits`` in place and return it; JAX
@@ -162,4 +298,6 @@ def apply_vocab_mask(logits: Any, mask: Any) -> Any:
     """
     if mask is None:
         return logits
+    if isinstance(mask, CompactMask):
+        return backend_for(logits).apply_compact_mask(logits, mask)
     return backend_for(logits).apply_vocab_mask(logits, mask)

@@ -18,13 +18,15 @@ caller has imported, or one the caller asked for by name).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from portable_spec.hostbuffers import HostBuffer
+from portable_spec.masks import CompactMask
 
 __all__ = ["ArrayInfo", "Backend", "MaskLayout", "StagedArrays"]
 
@@ -211,6 +213,42 @@ class Backend(ABC):
         columns past ``32 * mask.shape[-1]`` are left as they are). Returns the masked logits;
         whether that is the same array (in place) or a new one is the backend's to document.
         """
+
+    # -- compact masks (optional) -----------------------------------------------------------------
+    def upload_compact(self, buffer: HostBuffer, mask: CompactMask, device: Any = None) -> Any:
+        """Send a host :class:`CompactMask` to ``device`` without blocking; take ownership of
+        ``buffer`` (whose array ``mask.rows`` and ``mask.bits`` are views of).
+
+        ``mask`` has ``mask.capacity`` entries, ``mask.count`` of them real; the bits of the
+        padding entries were never written and need not travel (a backend that needs a fixed
+        device shape may still send them). Returns a ``CompactMask`` of this framework's arrays
+        with the same entries, ``num_rows`` and ``count``. The buffer is reused only once the
+        transfer has completed and nothing aliases it. If this raises, the buffer is back in
+        its pool. Backends without compact masks leave this unimplemented: the layout is then
+        refused (``TypeError``) before any matcher moves.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no compact mask layout")
+
+    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> Any:
+        """Set ``logits[mask.rows[k], t]`` to ``-inf`` where bit ``t`` of ``mask.bits[k]`` is 0,
+        for the real entries; leave every other row alone. ``logits`` has ``mask.num_rows``
+        rows (``[vocab]`` when it is 1). Same in-place/functional behaviour as
+        :meth:`apply_vocab_mask`, and the same result as applying ``mask.to_dense()``."""
+        raise TypeError(f"backend {self.name!r} cannot apply a CompactMask")
+
+    @classmethod
+    def supports_compact(cls) -> bool:
+        """Whether this backend implements :meth:`upload_compact`."""
+        return cls.upload_compact is not Backend.upload_compact
+
+    # -- builds that do not wait -------------------------------------------------------------------
+    def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
+        """Called on the caller's thread by ``build_grammar_vocab_mask(..., wait=False)``;
+        returns a factory of the context the background build runs its upload in, so that
+        the upload behaves as if the caller had made it (torch: the caller's current stream
+        on ``device``, which is the stream made to wait for the upload; JAX: its default
+        device). The default captures nothing."""
+        return nullcontext
 
     # -- capabilities ----------------------------------------------------------------------------
     def describe(self) -> str:

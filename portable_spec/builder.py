@@ -37,13 +37,14 @@ from portable_spec.grammars import (
     classify_grammars,
     words_for,
 )
+from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
 from portable_spec.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.stats import record_build
 from portable_spec.topology import Topology
 from portable_spec.tree import GrammarTree
 
-__all__ = ["build_host_bitmask", "check_vocab_size"]
+__all__ = ["LAYOUTS", "build_host_bitmask", "check_layout", "check_vocab_size"]
 
 ALL_ALLOWED = -1
 # Below this many nodes with a grammar, waking pool workers costs more than it saves.
@@ -56,6 +57,9 @@ SPLIT_MIN_PART = 16
 
 _scratch = threading.local()
 
+#: mask layouts: one row per node, or only the rows that constrain something (CompactMask)
+LAYOUTS = ("dense", "compact")
+
 
 def check_vocab_size(vocab_size: Any) -> int:
     """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
@@ -65,6 +69,22 @@ def check_vocab_size(vocab_size: Any) -> int:
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     return vocab_size
+
+
+def check_layout(layout: Any, max_rows: Any) -> int | None:
+    """Validate ``layout`` and ``max_rows`` (compact only: a non-negative int or None); return
+    ``max_rows`` as an int or None."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if max_rows is None:
+        return None
+    if layout != "compact":
+        raise ValueError("max_rows bounds a compact mask; it needs layout='compact'")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, Integral):
+        raise TypeError(f"max_rows must be an int, got {type(max_rows).__name__}")
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    return int(max_rows)
 
 
 def _check_out(out: Any, rows: int, words: int) -> np.ndarray:
@@ -102,8 +122,10 @@ def build_host_bitmask(
     tree: GrammarTree,
     vocab_size: int,
     *,
-    out: np.ndarray | None = None,
-) -> np.ndarray | None:
+    out: Any = None,
+    layout: str = "dense",
+    max_rows: int | None = None,
+) -> Any:
     """Build the grammar bitmask of every node of every request's verify tree, on the host.
 
     Args:
@@ -114,7 +136,18 @@ def build_host_bitmask(
         tree: the batch's verify trees (:class:`portable_spec.GrammarTree`).
         vocab_size: the model's vocabulary size (the logits' width); at least each matcher's.
         out: optional C-contiguous int32 ``[batch * nodes, ceil(vocab_size / 32)]`` buffer to
-            write into instead of allocating.
+            write into instead of allocating (compact: a :class:`CompactMask` of numpy arrays
+            with room for every row the build may list: ``max_rows``, or the rows of the
+            constrained requests).
+        layout: ``"dense"`` (the default: every row) or ``"compact"``: a
+            :class:`portable_spec.CompactMask` listing only the rows of accepted,
+            non-terminated nodes of constrained requests (``rows`` int32 ``[K]`` ascending,
+            ``bits`` int32 ``[K, words]``); every row not listed is all-allowed, and nothing is
+            written for it.
+        max_rows: compact only: the mask has exactly this many entries (``K`` real ones, then
+            padding entries whose row is ``batch * nodes`` and whose bits are not written), so
+            its shape does not change from step to step. ``ValueError`` if the build lists
+            more (raised after the walks, every matcher back in its state).
 
     Returns:
         ``None`` when the batch is empty or no request has a grammar (``out`` untouched).
@@ -125,7 +158,9 @@ def build_host_bitmask(
         the token's bit is set in the parent's row. An accepted, non-terminated node's row is
         the grammar's mask after its root path (bits past the grammar's vocabulary are 0).
         Every other row is all-allowed (-1): unconstrained requests, rejected nodes and their
-        subtrees, terminated nodes, and nodes no link reaches.
+        subtrees, terminated nodes, and nodes no link reaches. With ``layout="compact"``, a
+        host :class:`CompactMask` of those rows (``None`` as above); expanded with
+        ``to_dense()`` it equals the dense mask.
 
     Raises:
         TypeError, ValueError: malformed tree, grammars, ``vocab_size`` or ``out``; raised
@@ -140,11 +175,19 @@ def build_host_bitmask(
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     vocab_size = check_vocab_size(vocab_size)
+    max_rows = check_layout(layout, max_rows)
     batch, nodes = tree.batch, tree.nodes
     kinds, infos = classify_grammars(grammars, batch, vocab_size)
+    check_not_pending(grammars)
     constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
     if not constrained:
         return None
+    if layout == "compact":
+        from portable_spec.compact import build_compact_bitmask
+
+        return build_compact_bitmask(
+            grammars, tree, vocab_size, kinds, infos, constrained, out=out, max_rows=max_rows
+        )
     words = words_for(vocab_size)
     rows = batch * nodes
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)

@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["WorkItemError", "get_num_threads", "run_indexed", "set_num_threads"]
+__all__ = ["WorkItemError", "get_num_threads", "run_indexed", "set_num_threads", "submit"]
 
 
 class WorkItemError(Exception):
@@ -199,7 +199,65 @@ def run_indexed(fn: Callable[[int], None], count: int, *, parallel: bool) -> Non
     pool.run(fn, count, pool.threads - 1)
 
 
+# -- the background lane: whole builds started with wait=False -------------------------------
+class _Lane:
+    """One persistent thread running submitted calls one after the other.
+
+    A build started without waiting runs here as the *caller* of its pool job, so the pool's
+    ``threads - 1`` workers join it exactly as they join a blocking build; the engine's
+    thread is free meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        """Queue ``fn`` (which must not raise); the event is set once it has returned."""
+        finished = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="portable_spec-background", daemon=True
+                )
+                self._thread.start()
+            self._queue.put((fn, finished))
+        return finished
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, finished = item
+            try:
+                fn()
+            finally:
+                finished.set()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=5.0)
+
+
+_lane = _Lane()
+
+
+def submit(fn: Callable[[], None]) -> threading.Event:
+    """Run ``fn()`` on the library's background thread (calls run in submission order; ``fn``
+    may use :func:`run_indexed`, whose workers then help it). ``fn`` must catch its own
+    exceptions. Returns an event set once ``fn`` has returned."""
+    return _lane.submit(fn)
+
+
 def _shutdown_at_exit() -> None:
+    _lane.shutdown()
     pool = _pool
     if pool is not None:
         pool.shutdown()
@@ -207,8 +265,9 @@ def _shutdown_at_exit() -> None:
 
 def _reset_after_fork() -> None:
     # Threads do not survive fork(); the child starts with a fresh, empty pool.
-    global _pool, _pool_lock
+    global _pool, _pool_lock, _lane
     _pool_lock = threading.Lock()
+    _lane = _Lane()
     if _pool is not None:
         _pool = _Pool(_pool.threads)
 

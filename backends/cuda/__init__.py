@@ -8,7 +8,8 @@ apply   xgrammar's ``apply_token_bitmask_inplace`` kernels, in place
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -16,13 +17,20 @@ import torch
 
 from portable_spec.backend import ArrayInfo, Backend
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import CompactMask
 
-from .apply import apply_vocab_mask_torch
+from .apply import apply_compact_mask_torch, apply_vocab_mask_torch
 from .buffers import PinnedPool
+from .devices import device_module
 from .staging import TorchStaged, stage_tensors
-from .upload import mask_ready_event, resolve_device, upload_mask
+from .upload import mask_ready_event, resolve_device, upload_compact_mask, upload_mask
 
-__all__ = ["TorchBackend", "apply_vocab_mask_torch", "mask_ready_event"]
+__all__ = [
+    "TorchBackend",
+    "apply_compact_mask_torch",
+    "apply_vocab_mask_torch",
+    "mask_ready_event",
+]
 
 
 class TorchBackend(Backend):
@@ -82,6 +90,38 @@ class TorchBackend(Backend):
         """In place, asynchronous on accelerators (queued on the logits' device's current
         stream, after the mask's upload); returns ``logits``."""
         return apply_vocab_mask_torch(logits, mask)
+
+    def upload_compact(
+        self, buffer: HostBuffer, mask: CompactMask, device: Any = None
+    ) -> CompactMask:
+        """The index and the ``count`` listed rows, non-blocking on the copy stream; see
+        :func:`portable_spec.backends.cuda.upload.upload_compact_mask`."""
+        try:
+            target = resolve_device(device)
+        except BaseException:
+            self.release_host_mask(buffer)
+            raise
+        return upload_compact_mask(buffer, mask, target, self.pool, self.host_pool)
+
+    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> torch.Tensor:
+        """In place on the listed rows, through xgrammar's kernels with ``indices=``; see
+        :func:`portable_spec.backends.cuda.apply.apply_compact_mask_torch`."""
+        return apply_compact_mask_torch(logits, mask)
+
+    def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
+        """The caller's current stream on ``device`` (per thread in torch): the background
+        upload makes that stream wait for the mask, as a blocking call would."""
+        try:
+            target = resolve_device(device)
+        except (TypeError, ValueError):
+            return nullcontext
+        module = device_module(target)
+        if module is None or not hasattr(module, "stream"):
+            return nullcontext
+        if target.index is None:
+            target = torch.device(target.type, module.current_device())
+        stream = module.current_stream(target)
+        return lambda: module.stream(stream)
 
     def describe(self) -> str:
         accel = "CUDA " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"

@@ -6,10 +6,12 @@ from typing import Literal
 
 import torch
 
+from portable_spec.masks import CompactMask
+
 from .devices import device_guard, device_module
 from .upload import wait_until_ready
 
-__all__ = ["MAX_KERNEL_ELEMENTS", "apply_vocab_mask_torch"]
+__all__ = ["MAX_KERNEL_ELEMENTS", "apply_compact_mask_torch", "apply_vocab_mask_torch"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # xgrammar's Triton and CUDA kernels compute element offsets in 32-bit integers
@@ -97,3 +99,82 @@ def _kernel_layout(logits: torch.Tensor, kernel: str) -> torch.Tensor:
     if logits.device.type == "cpu" or kernel in ("cpu", "torch_native"):
         return logits if logits.is_contiguous() else logits.contiguous()
     return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def apply_compact_mask_torch(
+    logits: torch.Tensor, mask: CompactMask, *, kernel: Kernel = "auto"
+) -> torch.Tensor:
+    """Set ``logits[mask.rows[k], t] = -inf`` where bit ``t`` of ``mask.bits[k]`` is 0, in
+    place, through xgrammar's kernels with ``indices=``; rows not listed are not touched.
+
+    Args:
+        logits: ``[mask.num_rows, vocab]`` (or ``[vocab]`` when ``num_rows`` is 1), any
+            floating dtype, any strides.
+        mask: a :class:`CompactMask` of int32 tensors on the logits' device.
+        kernel: as for :func:`apply_vocab_mask_torch`.
+
+    xgrammar's kernels read bitmask row ``i`` for logits row ``i``. So the ``C`` entries are
+    first scattered (``index_copy_``, on the device) into an uninitialised int32
+    ``[num_rows + 1, words]`` scratch whose extra row receives the padding entries; the kernel
+    then runs over ``indices = min(rows, num_rows - 1)``: every listed row once, and each
+    padding entry as a repeat of the last row (whose scratch row holds its own bits, or -1
+    written beforehand when it is not listed), a no-op. Only listed rows of the logits are
+    read or written, and every shape is fixed by ``C`` (CUDA graphs can capture it). Logits
+    of 2^31 elements or more (32-bit kernel offsets) go through the dense path instead.
+
+    Returns:
+        ``logits``. Asynchronous on accelerators: queued on the current stream of the logits'
+        device, after the mask's upload if the mask came from this backend.
+    """
+    import xgrammar as xgr
+
+    rows, bits = mask.rows, mask.bits
+    if not isinstance(rows, torch.Tensor) or not isinstance(bits, torch.Tensor):
+        raise TypeError(
+            f"the CompactMask must hold torch tensors for torch logits, got {type(bits).__name__}"
+        )
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
+    if rows.dtype != torch.int32 or bits.dtype != torch.int32:
+        raise TypeError(f"a CompactMask's rows and bits must be torch.int32, got {bits.dtype}")
+    if bits.device != logits.device or rows.device != logits.device:
+        raise ValueError(f"mask is on {bits.device} but logits are on {logits.device}")
+    num_rows = mask.num_rows
+    logits_rows = 1 if logits.dim() == 1 else logits.shape[0]
+    if logits.dim() not in (1, 2) or logits_rows != num_rows:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be [rows, vocab] with the mask's num_rows = "
+            f"{num_rows} rows (the same rows)"
+        )
+    if kernel not in ("auto", "triton", "cuda", "cpu", "torch_native"):
+        raise ValueError(f"unknown kernel {kernel!r}")
+    logits_2d = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    covered = min(logits_2d.shape[1], 32 * bits.shape[1])
+    if covered == 0 or num_rows == 0 or rows.shape[0] == 0:
+        return logits
+    used = -(-covered // 32)
+    if kernel == "auto" and logits.dtype not in _KERNEL_DTYPES:
+        kernel = "torch_native"
+    accelerator = device_module(logits.device)
+    if accelerator is not None:
+        stream = accelerator.current_stream(logits.device)
+        wait_until_ready(bits, stream)
+        wait_until_ready(rows, stream)
+    with device_guard(logits.device):
+        scratch = torch.empty((num_rows + 1, used), dtype=torch.int32, device=logits.device)
+        huge = logits_2d.shape[0] * max(logits_2d.stride(0), logits_2d.shape[1])
+        if huge > MAX_KERNEL_ELEMENTS:
+            scratch.fill_(-1)
+            scratch.index_copy_(0, rows.long(), bits[:, :used])
+            apply_vocab_mask_torch(logits_2d, scratch[:num_rows], kernel=kernel)
+            return logits
+        scratch[num_rows - 1].fill_(-1)
+        scratch.index_copy_(0, rows.long(), bits[:, :used])
+        indices = rows.clamp(max=num_rows - 1)
+        work = _kernel_layout(logits_2d, kernel)
+        xgr.apply_token_bitmask_inplace(
+            work, scratch, vocab_size=covered, indices=indices, backend=kernel
+        )
+        if work is not logits_2d:
+            logits_2d.copy_(work)
+    return logits

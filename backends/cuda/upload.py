@@ -18,11 +18,19 @@ from typing import Any
 import torch
 
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import CompactMask, rebase_compact
 
 from .buffers import PinnedPool, as_tensor
 from .devices import copy_stream, device_module
 
-__all__ = ["mark_ready", "mask_ready_event", "resolve_device", "upload_mask", "wait_until_ready"]
+__all__ = [
+    "mark_ready",
+    "mask_ready_event",
+    "resolve_device",
+    "upload_compact_mask",
+    "upload_mask",
+    "wait_until_ready",
+]
 
 # Attributes set on an uploaded mask tensor: the event after its copy, and the stream that
 # was made to wait on it.
@@ -120,3 +128,75 @@ def resolve_device(device: Any) -> torch.device:
         except RuntimeError as exc:
             raise ValueError(f"{device!r} is not a torch device: {exc}") from None
     raise TypeError(f"device must be a torch.device, a device string or None, got {device!r}")
+
+
+def upload_compact_mask(
+    buffer: HostBuffer,
+    mask: CompactMask,
+    device: torch.device,
+    pinned: PinnedPool,
+    pageable: HostBufferPool,
+) -> CompactMask:
+    """Start the copy of a host compact mask (views of ``buffer``) to ``device``; return the
+    device ``CompactMask`` at once.
+
+    To an accelerator: the whole index and the first ``count`` bit rows are copied
+    (``non_blocking``, from the pinned block, on the device's copy stream) into a device index
+    and a ``[capacity, words]`` bits tensor whose padding rows are left unwritten: exactly
+    ``count`` rows and the index travel. The ordering is that of :func:`upload_mask` (one
+    event after both copies; the current stream waits on it; both tensors are
+    ``record_stream``-ed and marked ready). To the CPU: the arrays themselves, on pageable
+    memory (no copy). If this raises, the buffer is back in its pool.
+    """
+    count = mask.count or 0
+    if device.type == "cpu":
+        if buffer.owner is not None:  # a pinned block: never hand one to the caller
+            try:
+                copy = pageable.acquire(buffer.array.shape, buffer.array.dtype)
+                host = rebase_compact(mask, buffer.array, copy.array)
+                host.rows[...] = mask.rows
+                host.bits[:count] = mask.bits[:count]
+                lent = rebase_compact(mask, buffer.array, pageable.lend(copy))
+            finally:
+                pinned.release(buffer)
+        else:
+            lent = rebase_compact(mask, buffer.array, pageable.lend(buffer))
+        return CompactMask(
+            torch.from_numpy(lent.rows), torch.from_numpy(lent.bits), mask.num_rows, mask.count
+        )
+    module = device_module(device)
+    shape = tuple(mask.bits.shape)
+    if buffer.owner is None:  # a pageable block for an accelerator: synchronous copies
+        try:
+            rows = torch.from_numpy(mask.rows).to(device)
+            bits = torch.empty(shape, dtype=torch.int32, device=device)
+            bits[:count].copy_(torch.from_numpy(mask.bits[:count]))
+        finally:
+            pageable.release(buffer)
+        return CompactMask(rows, bits, mask.num_rows, mask.count)
+    try:
+        host = rebase_compact(mask, buffer.array, as_tensor(buffer))
+        stream = copy_stream(device) if module is not None else None
+        if stream is None:  # no streams: the copies are synchronous
+            rows = host.rows.to(device)
+            bits = torch.empty(shape, dtype=torch.int32, device=device)
+            bits[:count].copy_(host.bits[:count])
+            pinned.release(buffer)
+            return CompactMask(rows, bits, mask.num_rows, mask.count)
+        consumer = module.current_stream(device)  # type: ignore[union-attr]
+        with module.stream(stream):  # type: ignore[union-attr]
+            rows = host.rows.to(device, non_blocking=True)
+            bits = torch.empty(shape, dtype=torch.int32, device=device)
+            if count:
+                bits[:count].copy_(host.bits[:count], non_blocking=True)
+            ready = module.Event()  # type: ignore[union-attr]
+            ready.record(stream)
+    except BaseException:
+        pinned.release(buffer)
+        raise
+    pinned.after(buffer, ready.query, ready.synchronize)
+    consumer.wait_event(ready)
+    for tensor in (rows, bits):
+        tensor.record_stream(consumer)
+        mark_ready(tensor, ready, consumer)
+    return CompactMask(rows, bits, mask.num_rows, mask.count)

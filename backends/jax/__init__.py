@@ -12,7 +12,8 @@ apply   one jitted function, inlined into the engine's ``jax.jit`` (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import jax
@@ -22,13 +23,16 @@ from jax.sharding import Sharding
 
 from portable_spec.backend import ArrayInfo, Backend, MaskLayout
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import CompactMask, _register_pytree
 
-from .apply import apply_vocab_mask_jax
+from .apply import apply_compact_mask_jax, apply_vocab_mask_jax
 from .placement import ProcessLocal, as_placement, mask_layout, mask_placement
 from .staging import JaxStaged, check_not_deleted, local_shape, stage_arrays
-from .upload import upload_mask
+from .upload import upload_compact, upload_mask
 
-__all__ = ["JaxBackend", "apply_vocab_mask_jax"]
+__all__ = ["JaxBackend", "apply_compact_mask_jax", "apply_vocab_mask_jax"]
+
+_register_pytree()  # CompactMask of jax.Arrays passes into jax.jit
 
 
 class JaxBackend(Backend):
@@ -92,6 +96,29 @@ class JaxBackend(Backend):
         """Functional (returns a new array); one jitted computation, inlined inside
         ``jax.jit``."""
         return apply_vocab_mask_jax(logits, mask)
+
+    def upload_compact(self, buffer: HostBuffer, mask: CompactMask, device: Any = None) -> Any:
+        """``jax.device_put`` of the index and the bits (replicated over the devices of a
+        placement that splits rows); see
+        :func:`portable_spec.backends.jax.upload.upload_compact`."""
+        try:
+            placement = as_placement(device)
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        return upload_compact(buffer, mask, placement, self.pool)
+
+    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> jax.Array:
+        """Functional; pure and jit-traceable (see :func:`apply_compact_mask_jax`)."""
+        return apply_compact_mask_jax(logits, mask)
+
+    def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
+        """The caller's default device (``jax.default_device`` is per thread), for a mask whose
+        placement is JAX's default."""
+        default = jax.config.jax_default_device
+        if default is None or device is not None:
+            return nullcontext
+        return lambda: jax.default_device(default)
 
     def describe(self) -> str:
         devices = jax.devices()

@@ -9,8 +9,9 @@ import numpy as np
 
 from portable_spec.backend import ArrayInfo, Backend, StagedArrays
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import CompactMask, rebase_compact
 
-from .apply import apply_vocab_mask_numpy, unpack_bitmask
+from .apply import apply_compact_mask_numpy, apply_vocab_mask_numpy, unpack_bitmask
 
 __all__ = ["NumpyBackend", "unpack_bitmask"]
 
@@ -67,6 +68,18 @@ class NumpyBackend(Backend):
     def apply_vocab_mask(self, logits: Any, mask: Any) -> np.ndarray:
         """In place on ``logits``; returns it. Synchronous."""
         return apply_vocab_mask_numpy(logits, mask)
+
+    def upload_compact(self, buffer: HostBuffer, mask: CompactMask, device: Any = None) -> Any:
+        """The host CompactMask itself, its arrays lent from the pooled block (no copy): the
+        block returns to the pool once both arrays and every view of them are gone."""
+        if device not in (None, "cpu"):
+            self.pool.release(buffer)
+            raise ValueError(f"the numpy backend has no device {device!r}")
+        return rebase_compact(mask, buffer.array, self.pool.lend(buffer))
+
+    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> np.ndarray:
+        """In place on the listed rows of ``logits``; returns it. Synchronous."""
+        return apply_compact_mask_numpy(logits, mask)
 
     def describe(self) -> str:
         return f"numpy {np.__version__} (host)"

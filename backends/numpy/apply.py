@@ -6,7 +6,12 @@ import sys
 
 import numpy as np
 
-__all__ = ["apply_vocab_mask_numpy", "unpack_bitmask"]
+from portable_spec.masks import CompactMask
+
+__all__ = ["apply_compact_mask_numpy", "apply_vocab_mask_numpy", "unpack_bitmask"]
+
+# entries unpacked at a time by the compact apply (bounds its temporary arrays)
+_CHUNK = 64
 
 
 def unpack_bitmask(mask: np.ndarray, vocab: int) -> np.ndarray:
@@ -49,4 +54,39 @@ def apply_vocab_mask_numpy(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
     covered = min(vocab, 32 * mask_2d.shape[1])
     allowed = unpack_bitmask(mask_2d, covered)
     np.copyto(logits_2d[:, :covered], -np.inf, where=~allowed)
+    return logits
+
+
+def apply_compact_mask_numpy(logits: np.ndarray, mask: CompactMask) -> np.ndarray:
+    """Write ``-inf`` into the listed rows of ``logits`` where ``mask`` disallows the token;
+    return ``logits``. Rows not listed (and padding entries) are not touched.
+
+    ``logits``: writable floating ``[mask.num_rows, vocab]`` (or ``[vocab]`` when ``num_rows``
+    is 1); ``mask``: a :class:`CompactMask` of numpy int32 arrays. Synchronous.
+    """
+    rows, bits = mask.rows, mask.bits
+    if not isinstance(rows, np.ndarray) or not isinstance(bits, np.ndarray):
+        raise TypeError(
+            f"the CompactMask must hold numpy arrays for numpy logits, got {type(bits).__name__}"
+        )
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
+    logits_2d = logits.reshape(1, -1) if logits.ndim == 1 else logits
+    if logits_2d.ndim != 2 or logits_2d.shape[0] != mask.num_rows:
+        raise ValueError(
+            f"logits {logits.shape} must be [rows, vocab] with the mask's num_rows = "
+            f"{mask.num_rows} rows (the same rows)"
+        )
+    real = rows < mask.num_rows
+    if mask.count is not None and real[: mask.count].all():
+        which, source = rows[: mask.count], bits[: mask.count]
+    else:
+        which, source = rows[real], bits[real]
+    covered = min(logits_2d.shape[1], 32 * bits.shape[1])
+    for start in range(0, len(which), _CHUNK):
+        index = which[start : start + _CHUNK]
+        allowed = unpack_bitmask(source[start : start + _CHUNK], covered)
+        picked = logits_2d[index, :covered]
+        np.copyto(picked, -np.inf, where=~allowed)
+        logits_2d[index, :covered] = picked
     return logits

@@ -197,7 +197,7 @@ def fill_llguidance_chains(
     vocab_size: int,
     counts: np.ndarray,
     threads: int,
-) -> None:
+) -> np.ndarray:
     """Write the rows of chain requests (node ``i``'s only child is ``i + 1``) whose matchers
     have bitmask width ``width``, in one call of llguidance's executor.
 
@@ -209,6 +209,11 @@ def fill_llguidance_chains(
         vocab_size: the model's vocabulary size.
         counts: int64 ``[batch, 2]``: ``(checked, refused)`` draft nodes, set per request.
         threads: the executor's thread count.
+
+    Returns:
+        int64 ``[len(matchers)]``, in the order of ``matchers``: how many leading nodes of
+        each chain are live (accepted and not terminated; 0 for a terminated matcher). Their
+        rows hold the grammar's masks; the others were set to -1.
 
     Blocks until done; the GIL is released while the executor runs. The matchers do not move.
     Which rows the executor wrote is read off the rows themselves (vectorized over the batch);
@@ -258,6 +263,7 @@ def fill_llguidance_chains(
         mask[out_rows[kept], width:] = 0
     mask[out_rows[~kept]] = -1
     counts[requests] = _chain_counts(mask, out_rows, tokens, alive, limit)
+    return alive
 
 
 def _chain_counts(

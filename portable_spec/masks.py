@@ -1,0 +1,175 @@
+"""``CompactMask``: only the rows that constrain something, plus their row indices.
+
+A dense mask has one int32 row of ``ceil(vocab / 32)`` words per verify-tree node, and most of
+them can be all-allowed (-1): unconstrained requests, rejected drafts and their subtrees,
+terminated nodes, padding. A compact mask lists only the rows of accepted, non-terminated
+nodes of constrained requests (``K`` of them) and says where they go::
+
+    rows   int32 [C]           ascending; rows[k] is the logits row that bits[k] constrains
+    bits   int32 [C, words]    the grammar's mask for that row
+    num_rows                   rows of the logits (and of the dense mask it stands for)
+
+Every logits row not listed is all-allowed. ``C`` is ``K``, or a fixed capacity (``max_rows``)
+so that XLA and CUDA graphs see one shape: the entries past ``K`` are *padding*, whose row index
+is ``num_rows`` (a row past the logits: it applies to nothing) and whose bits are unspecified
+(never read; they may hold stale data). ``rows`` is therefore non-decreasing, strictly
+increasing over the real entries.
+
+This module is numpy-only; the arrays can be any framework's (numpy on the host, torch tensors
+or ``jax.Array`` on a device). A ``CompactMask`` of JAX arrays is a pytree (``rows`` and ``bits``
+are its leaves, ``num_rows`` is static), so it passes into ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import suppress
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CompactMask", "compact_views", "index_words", "rebase_compact"]
+
+
+def _dtype_name(array: Any) -> str:
+    return str(getattr(array, "dtype", "")).rsplit(".", 1)[-1]
+
+
+class CompactMask:
+    """The rows of a grammar mask that constrain something, and where they go.
+
+    Attributes:
+        rows: int32 ``[C]``: ``rows[k]`` is the logits row ``bits[k]`` applies to; ascending
+            over the ``count`` real entries, then ``num_rows`` for each padding entry.
+        bits: int32 ``[C, words]``: bit ``t % 32`` of word ``t // 32`` of ``bits[k]`` set means
+            token ``t`` is allowed in row ``rows[k]``. Padding entries' bits are unspecified.
+        num_rows: the rows of the logits this mask applies to (the dense mask it stands for
+            is ``[num_rows, words]``); every row not listed is all-allowed.
+        count: the number of real entries ``K`` where known (``None`` inside a ``jax.jit``,
+            where the mask is rebuilt from its arrays).
+
+    Build one with ``build_grammar_vocab_mask(..., layout="compact")`` (or
+    ``build_host_bitmask``), apply it with :func:`portable_spec.apply_vocab_mask`. The
+    constructor checks shapes and dtypes, not contents.
+    """
+
+    __slots__ = ("bits", "count", "num_rows", "rows")
+
+    def __init__(self, rows: Any, bits: Any, num_rows: int, count: int | None = None) -> None:
+        rows_shape = tuple(getattr(rows, "shape", ()))
+        bits_shape = tuple(getattr(bits, "shape", ()))
+        if len(rows_shape) != 1 or len(bits_shape) != 2 or rows_shape[0] != bits_shape[0]:
+            raise ValueError(
+                f"a CompactMask needs rows [C] and bits [C, words], got rows {rows_shape} and "
+                f"bits {bits_shape}"
+            )
+        for name, array in (("rows", rows), ("bits", bits)):
+            if _dtype_name(array) != "int32":
+                raise TypeError(f"CompactMask.{name} must have dtype int32, got {array.dtype}")
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+            raise TypeError(f"num_rows must be an int, got {type(num_rows).__name__}")
+        if num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        if count is not None and not 0 <= count <= rows_shape[0]:
+            raise ValueError(f"count = {count} is not within the {rows_shape[0]} entries")
+        self.rows = rows
+        self.bits = bits
+        self.num_rows = int(num_rows)
+        self.count = None if count is None else int(count)
+        _register_pytree()
+
+    @classmethod
+    def _from_parts(cls, rows: Any, bits: Any, num_rows: int, count: int | None) -> CompactMask:
+        """Without checks (JAX rebuilds pytrees from placeholders as well as arrays)."""
+        mask = object.__new__(cls)
+        mask.rows, mask.bits, mask.num_rows, mask.count = rows, bits, num_rows, count
+        return mask
+
+    @property
+    def capacity(self) -> int:
+        """``C``: the number of entries, padding included."""
+        return int(self.rows.shape[0])
+
+    @property
+    def words(self) -> int:
+        """int32 words per row."""
+        return int(self.bits.shape[1])
+
+    def to_dense(self) -> np.ndarray:
+        """The dense int32 ``[num_rows, words]`` mask on the host (all-allowed rows included).
+
+        Works for arrays numpy can read (numpy, torch CPU tensors, ``jax.Array``); copy a
+        mask on an accelerator to the host first (``.cpu()``). Padding entries are skipped.
+        """
+        try:
+            rows = np.asarray(self.rows)
+            bits = np.asarray(self.bits)
+        except (TypeError, RuntimeError) as exc:
+            raise TypeError(
+                f"to_dense reads the mask on the host; bring its arrays there first ({exc})"
+            ) from exc
+        dense = np.full((self.num_rows, bits.shape[1]), -1, dtype=np.int32)
+        real = rows < self.num_rows
+        dense[rows[real]] = bits[real]
+        return dense
+
+    def __repr__(self) -> str:
+        kind = type(self.rows).__module__.split(".")[0]
+        return (
+            f"CompactMask(entries={self.capacity}, count={self.count}, words={self.words}, "
+            f"num_rows={self.num_rows}, arrays={kind})"
+        )
+
+
+def index_words(capacity: int, words: int) -> int:
+    """Rows of ``words`` int32 words that hold an int32 index of ``capacity`` entries."""
+    return -(-capacity // words) if words else 0
+
+
+def compact_views(block: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, bits)`` views of a host block of ``capacity + index_words(capacity, words)``
+    int32 rows: ``bits`` is ``block[:capacity]``, ``rows`` the ``capacity`` int32 after it.
+
+    One block per compact mask keeps the host side to one pooled (pinned) allocation; an
+    upload copies ``bits[:count]`` and ``rows`` from it.
+    """
+    words = block.shape[1]
+    bits = block[:capacity]
+    rows = block[capacity : capacity + index_words(capacity, words)].reshape(-1)[:capacity]
+    return rows, bits
+
+
+def rebase_compact(mask: CompactMask, block: np.ndarray, target: Any) -> CompactMask:
+    """``mask`` (numpy views of the host ``block``) re-made of the same elements of ``target``,
+    an array of ``block``'s shape and dtype in any framework that can flatten, slice and
+    reshape views (numpy, a lent copy of the block, a torch tensor on the same memory)."""
+    base = block.__array_interface__["data"][0]
+    flat = target.reshape(-1)
+
+    def view(array: np.ndarray) -> Any:
+        start = (array.__array_interface__["data"][0] - base) // block.itemsize
+        return flat[start : start + array.size].reshape(array.shape)
+
+    return CompactMask(view(mask.rows), view(mask.bits), mask.num_rows, mask.count)
+
+
+_registered = False
+
+
+def _register_pytree() -> None:
+    """Make CompactMask a JAX pytree once JAX is imported (this module imports numpy only)."""
+    global _registered
+    if _registered or "jax" not in sys.modules:
+        return
+    import jax
+
+    def flatten(mask: CompactMask) -> tuple[tuple[Any, Any], int]:
+        return (mask.rows, mask.bits), mask.num_rows
+
+    def unflatten(num_rows: int, leaves: Any) -> CompactMask:
+        rows, bits = leaves
+        return CompactMask._from_parts(rows, bits, num_rows, None)
+
+    with suppress(ValueError):  # registered already (another copy of this module)
+        jax.tree_util.register_pytree_node(CompactMask, flatten, unflatten)
+    _registered = True
