@@ -89,10 +89,24 @@ def expected_rows(
     grammar_words: int,
 ) -> np.ndarray:
     """Expected ``[nodes, words(vocab)]`` rows of one request by per-node path replay."""
+    return expected_rows_and_live(fresh, next_token, next_sibling, draft, vocab, grammar_words)[0]
+
+
+def expected_rows_and_live(
+    fresh: Callable[[], Any] | None,
+    next_token: Sequence[int],
+    next_sibling: Sequence[int],
+    draft: Sequence[int],
+    vocab: int,
+    grammar_words: int,
+) -> tuple[np.ndarray, list[bool]]:
+    """:func:`expected_rows` and, per node, whether it is accepted and not terminated (its
+    row is the grammar's mask, whatever that mask is)."""
     n = len(next_token)
     rows = np.full((n, words(vocab)), -1, dtype=np.int32)
+    live = [False] * n
     if fresh is None:
-        return rows
+        return rows, live
     parent = parents_of(next_token, next_sibling)
     for j in range(n):
         if j != 0 and parent[j] == -1:
@@ -119,7 +133,8 @@ def expected_rows(
             alive = not m.is_terminated()
         if alive:
             rows[j] = fill_row(m, grammar_words, vocab)
-    return rows
+            live[j] = True
+    return rows, live
 
 
 def expected_mask(
@@ -143,6 +158,54 @@ def expected_mask(
         for b, r in enumerate(requests)
     ]
     return np.concatenate(blocks, axis=0)
+
+
+def expected_compact(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Expected compact entries of a batch: ``(rows, bits)``, the global row ``b * nodes + j``
+    of every accepted, non-terminated node of a constrained request, ascending, and its row."""
+    nodes = next_token.shape[1]
+    listed, bits = [], []
+    for b, r in enumerate(requests):
+        if r is None:
+            continue
+        block, live = expected_rows_and_live(
+            r.fresh,
+            next_token[b].tolist(),
+            next_sibling[b].tolist(),
+            draft[b].tolist(),
+            vocab,
+            grammar_words,
+        )
+        for j in range(nodes):
+            if live[j]:
+                listed.append(b * nodes + j)
+                bits.append(block[j])
+    shape = (len(bits), words(vocab))
+    return np.array(listed, dtype=np.int32), np.array(bits, dtype=np.int32).reshape(shape)
+
+
+def assert_compact_matches(case: Any, grammar_words: int, mask: Any) -> None:
+    """A host CompactMask for a drawn case equals the oracle's entries (rows ascending, only
+    accepted non-terminated nodes listed) and expands to the oracle's dense mask."""
+    if all(r is None for r in case.requests):
+        assert mask is None
+        return
+    arrays = (case.next_token, case.next_sibling, case.draft)
+    rows, bits = expected_compact(case.requests, *arrays, case.vocab_size, grammar_words)
+    count = mask.count
+    assert count == len(rows), (count, len(rows))
+    np.testing.assert_array_equal(np.asarray(mask.rows)[:count], rows)
+    np.testing.assert_array_equal(np.asarray(mask.bits)[:count], bits)
+    assert (np.asarray(mask.rows)[count:] == mask.num_rows).all()  # padding applies to nothing
+    want = expected_mask(case.requests, *arrays, case.vocab_size, grammar_words)
+    np.testing.assert_array_equal(mask.to_dense(), want)
 
 
 def expected_node_counts(

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import xgrammar as xgr
+from _cases import matrix_case
 from _oracle import Request, expected_mask
 
 import portable_spec as ps
@@ -23,35 +24,7 @@ BATCH, NODES = 8, 6  # batch divisible by the 8 CPU devices of the sharded targe
 def batch_case(smollm2):
     """Eight requests (four grammars, an unconstrained one, one padded tree), EAGLE-like trees
     with real tokens: accepted, rejected, EOS, negative and too-large ids."""
-    rng = np.random.default_rng(11)
-    kinds = ["json_schema", "ebnf", "regex", "builtin_json", None, "json_schema", "ebnf", "regex"]
-    requests = [None if k is None else Request(smollm2.grammars[k]) for k in kinds]
-    nt = np.full((BATCH, NODES), -1, np.int64)
-    ns = np.full((BATCH, NODES), -1, np.int64)
-    dt = np.zeros((BATCH, NODES), np.int64)
-    for b, request in enumerate(requests):
-        # root -> 1, 2 (siblings); 1 -> 3 -> 4; 2 -> 5 (node 5 left as padding in request 7)
-        nt[b, [0, 1, 3, 2]] = [1, 3, 4, 5]
-        ns[b, 1] = 2
-        m = request.fresh() if request else None
-        options = []
-        if m is not None:
-            buf = np.zeros((1, smollm2.words), np.int32)
-            m.fill_next_token_bitmask(buf, 0)
-            options = np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little"))
-        first = int(rng.choice(options)) if len(options) else 7
-        dt[b, 1] = first
-        dt[b, 2] = [smollm2.eos, -4, 2**31 - 1, int(rng.integers(0, smollm2.size))][b % 4]
-        if m is not None and m.accept_token(first):
-            m.fill_next_token_bitmask(buf, 0)
-            options = np.flatnonzero(np.unpackbits(buf.view(np.uint8), bitorder="little"))
-            if len(options):
-                dt[b, 3] = int(rng.choice(options))
-                dt[b, 4] = int(rng.choice(options))
-        dt[b, 5] = int(rng.integers(0, smollm2.size))
-    nt[7, 2] = -1  # node 5 of request 7 becomes unreachable padding
-    want = expected_mask(requests, nt, ns, dt, smollm2.size, smollm2.words)
-    return requests, nt, ns, dt, want
+    return matrix_case(smollm2, BATCH, NODES)
 
 
 def _matchers(requests):

@@ -19,7 +19,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import xgrammar as xgr  # noqa: E402
 from _oracle import Request, expected_mask  # noqa: E402
-from portable_spec.backends.cuda import apply_vocab_mask_torch, mask_ready_event  # noqa: E402
+from portable_spec.backends.cuda import (  # noqa: E402
+    apply_compact_mask_torch,
+    apply_vocab_mask_torch,
+    mask_ready_event,
+)
 from portable_spec.backends.cuda.apply import MAX_KERNEL_ELEMENTS  # noqa: E402
 from portable_spec.backends.cuda.devices import copy_stream  # noqa: E402
 from portable_spec.backends.cuda.staging import stage_tensors  # noqa: E402
@@ -392,6 +396,133 @@ def test_mask_device_mismatch_is_an_error():
         ps.apply_vocab_mask(torch.zeros(2, 32, device=CUDA), torch.zeros(2, 1, dtype=torch.int32))
 
 
+# -- compact masks ----------------------------------------------------------------------------
+def _random_compact(rng, num_rows, words, listed, capacity, last=None):
+    """A compact mask of ``listed`` random rows (``last``: force the last logits row in or
+    out) and ``capacity - listed`` padding entries, on the host and on the GPU."""
+    choice = rng.choice(num_rows - 1, size=listed - 1, replace=False)
+    extra = num_rows - 1 if last or (last is None and rng.random() < 0.5) else None
+    if extra is None:
+        extra = int(rng.choice(np.setdiff1d(np.arange(num_rows - 1), choice)))
+    rows = np.sort(np.append(choice, extra)).astype(np.int32)
+    rows = np.concatenate([rows, np.full(capacity - listed, num_rows, np.int32)])
+    bits = _random_mask(rng, (capacity, words))
+    host = ps.CompactMask(rows, bits, num_rows, count=listed)
+    on = ps.CompactMask(
+        torch.from_numpy(rows).to(CUDA), torch.from_numpy(bits).to(CUDA), num_rows, listed
+    )
+    return host, on
+
+
+@pytest.mark.parametrize("kernel", ["auto", "triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [100, 49155, 131072 + 7])
+def test_compact_apply_kernels_match_the_dense_result(kernel, dtype, vocab):
+    """xgrammar's kernels with indices=: listed rows masked, unlisted rows untouched, padding
+    entries (row num_rows) a no-op whether the last logits row is listed or not."""
+    kernel = _kernel(kernel)
+    rng = np.random.default_rng(vocab)
+    for last in (False, True):
+        host, mask = _random_compact(rng, 37, -(-vocab // 32), 20, 26, last=last)
+        logits = torch.randn(37, vocab, device=CUDA).to(dtype)
+        before = logits.clone()
+        want = _reference(logits, host.to_dense())
+        out = apply_compact_mask_torch(logits, mask, kernel=kernel)
+        assert out is logits
+        np.testing.assert_array_equal(logits.float().cpu().numpy().astype(np.float64), want)
+        unlisted = sorted(set(range(37)) - set(host.rows[:20].tolist()))
+        assert torch.equal(logits[unlisted], before[unlisted])
+
+
+@pytest.mark.parametrize("kernel", ["triton", "cuda"])
+def test_compact_apply_strided_and_one_row(kernel):
+    kernel = _kernel(kernel)
+    rng = np.random.default_rng(7)
+    vocab = 1000
+    host, mask = _random_compact(rng, 8, -(-vocab // 32), 5, 6)
+    padded = torch.randn(8, vocab + 64, device=CUDA, dtype=torch.bfloat16)
+    view = padded[:, :vocab]
+    tail = padded[:, vocab:].clone()
+    want = _reference(view, host.to_dense())
+    apply_compact_mask_torch(view, mask, kernel=kernel)
+    np.testing.assert_array_equal(view.float().cpu().numpy().astype(np.float64), want)
+    assert torch.equal(padded[:, vocab:], tail)
+    one_host, one = _random_compact(rng, 1, -(-vocab // 32), 1, 3)
+    row = torch.randn(vocab, device=CUDA)
+    want = _reference(row, one_host.to_dense()[0])
+    ps.apply_vocab_mask(row, one)
+    np.testing.assert_array_equal(row.cpu().numpy().astype(np.float64), want)
+
+
+def test_compact_upload_sends_the_listed_rows_and_orders_the_sampler(smollm2):
+    """A compact mask built from a CUDA tree: only count rows (plus the index) on the device,
+    the apply on the current stream and on another stream waits for the upload held up on the
+    copy stream, and the logits equal the dense mask's."""
+    logits_host = np.random.default_rng(8).standard_normal((6, smollm2.size)).astype(np.float32)
+    for consumer in ("current", "other"):
+        matchers, tree, want = _json_case(smollm2, smollm2.tokens.index("["), batch=2)
+        with torch.cuda.stream(copy_stream(CUDA)):
+            torch.cuda._sleep(LONG)
+        mask = ps.build_grammar_vocab_mask(matchers, tree, smollm2.size, layout="compact")
+        assert mask.bits.device.type == "cuda" and mask.rows.device.type == "cuda"
+        assert mask.bits.shape == (mask.count, smollm2.words)
+        assert mask_ready_event(mask.bits) is not None
+        logits = torch.from_numpy(logits_host).to(CUDA)
+        if consumer == "other":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                ps.apply_vocab_mask(logits, mask)
+            side.synchronize()
+        else:
+            ps.apply_vocab_mask(logits, mask)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(
+            logits.cpu().numpy().astype(np.float64), _reference(torch.from_numpy(logits_host), want)
+        )
+
+
+def test_compact_max_rows_shapes_and_padding_on_the_device(smollm2):
+    matchers, tree, want = _json_case(smollm2, smollm2.tokens.index("{"), batch=2)
+    mask = ps.build_grammar_vocab_mask(
+        matchers, tree, smollm2.size, layout="compact", max_rows=6, row_capacity=8
+    )
+    torch.cuda.synchronize()
+    assert mask.rows.shape == (6,) and mask.bits.shape == (6, smollm2.words)
+    rows = mask.rows.cpu().numpy()
+    assert (rows[mask.count :] == 8).all()
+    dense = ps.CompactMask(rows, mask.bits.cpu().numpy(), 8, mask.count).to_dense()
+    np.testing.assert_array_equal(dense[:6], want)
+    assert (dense[6:] == -1).all()
+
+
+def test_wait_false_uploads_for_the_callers_stream(smollm2):
+    """The stream current on the calling thread at call time (not the background thread's
+    default stream) is the one made to wait for the upload."""
+    logits_host = np.random.default_rng(9).standard_normal((6, smollm2.size)).astype(np.float32)
+    for layout in ("dense", "compact"):
+        matchers, tree, want = _json_case(smollm2, smollm2.tokens.index("{"), batch=2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy_stream(CUDA)):
+            torch.cuda._sleep(LONG)  # holds the upload back
+        with torch.cuda.stream(side):
+            handle = ps.build_grammar_vocab_mask(
+                matchers, tree, smollm2.size, layout=layout, wait=False
+            )
+        mask = handle.result(timeout=30)
+        tensor = mask.bits if layout == "compact" else mask
+        assert tensor._portable_spec_waiter == side
+        logits = torch.from_numpy(logits_host).to(CUDA)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ps.apply_vocab_mask(logits, mask)  # no wait of its own: the upload ordered it
+        side.synchronize()
+        np.testing.assert_array_equal(
+            logits.cpu().numpy().astype(np.float64), _reference(torch.from_numpy(logits_host), want)
+        )
+
+
 # Last: an out-of-bounds write here would poison the CUDA context for every later test.
 def test_apply_logits_past_two_to_the_31_elements():
     """Item 8: the kernels' offsets are 32-bit; 16400 x 131072 bf16 logits (2^31 + 2M
@@ -413,3 +544,21 @@ def test_apply_logits_past_two_to_the_31_elements():
     assert (logits[-2, vocab // 2 :] == 0).all()
     assert torch.isinf(logits[rows // 2, -32:]).all() and (logits[rows // 2, :-32] == 0).all()
     assert (logits[:-2] == 0).sum().item() == (rows - 2) * vocab - 32
+
+
+def test_compact_apply_logits_past_two_to_the_31_elements():
+    """The compact apply on 2^31+ element logits goes through the dense row chunks."""
+    rows, vocab = 16400, 131072
+    free, _ = torch.cuda.mem_get_info()
+    if free < 3 * rows * vocab * 2:
+        pytest.skip("not enough GPU memory for 2^31-element logits")
+    logits = torch.zeros(rows, vocab, device=CUDA, dtype=torch.bfloat16)
+    words = vocab // 32
+    bits = torch.full((3, words), -1, dtype=torch.int32, device=CUDA)
+    bits[1] = 0  # row rows - 1: everything banned
+    bits[0, -1] = 0  # row rows // 2: the last 32 tokens banned
+    index = torch.tensor([rows // 2, rows - 1, rows], dtype=torch.int32, device=CUDA)
+    ps.apply_vocab_mask(logits, ps.CompactMask(index, bits, rows, count=2))
+    assert torch.isinf(logits[-1]).all()
+    assert torch.isinf(logits[rows // 2, -32:]).all() and (logits[rows // 2, :-32] == 0).all()
+    assert (logits[:-1] == 0).sum().item() == (rows - 1) * vocab - 32

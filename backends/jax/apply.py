@@ -62,7 +62,7 @@ def _apply_vocab_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     )[:, :covered]
     # token t's bit moved to the sign bit, then spread: -1 (allowed) or 0 (dropped)
     to_sign = jnp.broadcast_to(31 - (jnp.arange(covered, dtype=jnp.int32) & 31), (rows, covered))
-    keep = jax.lax.shift_right_arithmetic(jax.lax.shift_left(per_token, to_sign), 31)
+    keep = jax.lax.shift_right_arithmetic(jax.lax.shift_left(per_token, to_sign), jnp.int32(31))
     if covered < vocab:
         keep = jnp.concatenate((keep, jnp.full((rows, vocab - covered), -1, jnp.int32)), axis=1)
     carrier = _SAME_WIDTH_INT[jnp.dtype(logits.dtype).itemsize]

@@ -1,0 +1,339 @@
+"""The compact layout on the host: the entries the per-node replay oracle lists, for every
+engine, walk path (lists, arrays, splits), with and without the compiled helper; static
+capacity; refusals; the apply of a compact mask equals the dense one's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _cases import draw_case
+from _oracle import (
+    ProtocolMatcher,
+    Request,
+    assert_compact_matches,
+    expected_compact,
+    expected_mask,
+    expected_node_counts,
+    matcher_state,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import portable_spec as ps
+import portable_spec.builder as builder_module
+import portable_spec.compact as compact_module
+import portable_spec.topology as topology_module
+from portable_spec.masks import compact_views, index_words
+
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def _prints(case, vocab):
+    probe = [vocab.eos, 0, 1, 2, 100, 1000]
+    out = []
+    for m in case.matchers:
+        inner = m.inner if isinstance(m, ProtocolMatcher) else m
+        out.append(None if m is None else matcher_state(inner, probe, vocab.words))
+    return out
+
+
+@pytest.mark.parametrize("path", ["lists", "arrays"])
+@SETTINGS
+@given(data=st.data())
+def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
+    """Random trees, padding, off-grammar/EOS/out-of-range drafts, padded vocabularies,
+    xgrammar and protocol matchers: exactly the oracle's entries, rows ascending, bits equal,
+    node counts equal, matchers restored; with max_rows, padding that applies to nothing."""
+    if path == "arrays":
+        monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
+    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    case = draw_case(data, vocab)
+    before = _prints(case, vocab)
+    tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
+    max_rows = data.draw(st.sampled_from([None, case.next_token.size]), label="max_rows")
+    ps.reset_grammar_stats()
+    mask = ps.build_host_bitmask(
+        case.matchers, tree, case.vocab_size, layout="compact", max_rows=max_rows
+    )
+    assert_compact_matches(case, vocab.words, mask)
+    if mask is not None:
+        assert mask.num_rows == case.next_token.size
+        assert mask.capacity == (mask.count if max_rows is None else max_rows)
+        real = mask.rows[: mask.count]
+        assert (np.diff(real) > 0).all()  # strictly ascending
+        stats = ps.grammar_stats()
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        want = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
+        assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
+    assert _prints(case, vocab) == before
+    for m in case.matchers:
+        if isinstance(m, ProtocolMatcher):
+            assert m.depth == 0
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_compact_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch):
+    """Small batches of big trees are cut over threads: the same entries."""
+    monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
+    monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
+    ps.set_num_threads(data.draw(st.sampled_from([2, 4, 8]), label="threads"))
+    try:
+        case = draw_case(data, vocab, max_batch=2, max_nodes=40, protocol=False)
+        before = _prints(case, vocab)
+        tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
+        mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, layout="compact")
+        assert_compact_matches(case, vocab.words, mask)
+        assert _prints(case, vocab) == before
+    finally:
+        ps.set_num_threads(None)
+
+
+def test_compact_equals_dense_on_a_large_batch(smollm2, builder_mode):
+    """64 requests of 24-node trees through the pool (requests finish out of order and park
+    their rows): the compact mask expands to the dense one, bit for bit."""
+    rng = np.random.default_rng(4)
+    compiled = smollm2.grammars["builtin_json"]
+    opening = [smollm2.tokens.index(t) for t in ("{", "[", '"', "1", "Ġ", "}", "]")]
+    batch, nodes = 64, 24
+    parents = [-1] + [int(rng.integers(0, j)) for j in range(1, nodes)]
+    nt = np.full(nodes, -1, np.int64)
+    ns = np.full(nodes, -1, np.int64)
+    last = [-1] * nodes
+    for v in range(1, nodes):
+        p = parents[v]
+        if last[p] == -1:
+            nt[p] = v
+        else:
+            ns[last[p]] = v
+        last[p] = v
+    dt = rng.choice(opening, size=(batch, nodes)).astype(np.int64)
+    requests = [None if b % 5 == 3 else Request(compiled) for b in range(batch)]
+    tree = ps.GrammarTree.from_host(np.tile(nt, (batch, 1)), np.tile(ns, (batch, 1)), dt)
+    dense = ps.build_host_bitmask(
+        [None if r is None else r.fresh() for r in requests], tree, smollm2.size
+    )
+    matchers = [None if r is None else r.fresh() for r in requests]
+    mask = ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact")
+    np.testing.assert_array_equal(mask.to_dense(), dense)
+    assert mask.count == int((dense != -1).any(axis=1).sum())
+
+
+def test_max_rows_padding_and_overflow(smollm2):
+    """max_rows fixes the entry count: padding entries carry row num_rows (they apply to
+    nothing); too small a bound is refused after the walks, every matcher restored."""
+    compiled = smollm2.grammars["builtin_json"]
+    brace, quote = smollm2.tokens.index("{"), smollm2.tokens.index('"')
+    dt = np.tile([0, brace, quote], (3, 1))
+    requests = [Request(compiled), None, Request(compiled)]
+    tree = ps.GrammarTree.from_linear_chain(dt)
+    mask = ps.build_host_bitmask(
+        [r and r.fresh() for r in requests], tree, smollm2.size, layout="compact", max_rows=9
+    )
+    assert (mask.count, mask.capacity, mask.num_rows) == (6, 9, 9)
+    assert mask.rows.tolist() == [0, 1, 2, 6, 7, 8, 9, 9, 9]
+    np.testing.assert_array_equal(
+        mask.to_dense(),
+        expected_mask(requests, *tree.resolve(), smollm2.size, smollm2.words),
+    )
+    matchers = [r and r.fresh() for r in requests]
+    probe = [0, brace, quote, 100]
+    before = [m and matcher_state(m, probe, smollm2.words) for m in matchers]
+    with pytest.raises(ValueError, match=r"lists 6 rows .* max_rows = 5"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", max_rows=5)
+    assert [m and matcher_state(m, probe, smollm2.words) for m in matchers] == before
+
+
+def test_compact_into_out(smollm2):
+    """out= takes a CompactMask of numpy arrays with room for every possible row; the result
+    is made of views of it."""
+    compiled = smollm2.grammars["builtin_json"]
+    dt = np.tile([0, smollm2.tokens.index("["), smollm2.tokens.index("1")], (2, 1))
+    tree = ps.GrammarTree.from_linear_chain(dt)
+    words = smollm2.words
+    block = np.full((6 + index_words(6, words), words), 7, dtype=np.int32)
+    rows, bits = compact_views(block, 6)
+    out = ps.CompactMask(rows, bits, 6)
+    matchers = [xgr_matcher(compiled) for _ in range(2)]
+    mask = ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", out=out)
+    assert np.shares_memory(mask.bits, block) and np.shares_memory(mask.rows, block)
+    assert mask.count == 6 and mask.rows.tolist() == list(range(6))
+    want = expected_compact([Request(compiled)] * 2, *tree.resolve(), smollm2.size, smollm2.words)
+    np.testing.assert_array_equal(mask.bits, want[1])
+
+
+def xgr_matcher(compiled):
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
+
+def test_bad_layout_arguments_are_refused_before_anything_moves(smollm2):
+    compiled = smollm2.grammars["builtin_json"]
+    matchers = [ProtocolMatcher(xgr_matcher(compiled))]
+    tree = ps.GrammarTree.from_linear_chain(np.zeros((1, 3), np.int64))
+    with pytest.raises(ValueError, match="layout must be one of 'dense', 'compact'"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="sparse")
+    with pytest.raises(ValueError, match="needs layout='compact'"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, max_rows=3)
+    with pytest.raises(TypeError, match="max_rows must be an int"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", max_rows=2.0)
+    with pytest.raises(ValueError, match="max_rows must be >= 0"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", max_rows=-1)
+    with pytest.raises(TypeError, match="CompactMask of numpy arrays"):
+        ps.build_host_bitmask(
+            matchers, tree, smollm2.size, layout="compact", out=np.zeros((3, smollm2.words))
+        )
+    small = ps.CompactMask(np.zeros(2, np.int32), np.zeros((2, smollm2.words), np.int32), 3)
+    with pytest.raises(ValueError, match="room for 2 rows"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", out=small)
+    narrow = ps.CompactMask(np.zeros(3, np.int32), np.zeros((3, 4), np.int32), 3)
+    with pytest.raises(ValueError, match="words per row"):
+        ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact", out=narrow)
+    assert matchers[0].calls == []
+
+
+def test_no_grammar_gives_none(smollm2):
+    tree = ps.GrammarTree.from_linear_chain(np.zeros((2, 3), np.int64))
+    assert ps.build_host_bitmask([None, None], tree, smollm2.size, layout="compact") is None
+
+
+def test_narrow_matcher_rows_are_zero_past_its_width(smollm2):
+    """A protocol matcher with its own (smaller) vocabulary: the words past its width are 0 in
+    the listed rows, as in the dense layout."""
+    compiled = smollm2.grammars["builtin_json"]
+    size = smollm2.size + 100
+    tree = ps.GrammarTree.from_linear_chain(np.array([[0, smollm2.tokens.index("{")]]))
+    dense = ps.build_host_bitmask(
+        [ProtocolMatcher(xgr_matcher(compiled), vocab_size=smollm2.size)], tree, size
+    )
+    mask = ps.build_host_bitmask(
+        [ProtocolMatcher(xgr_matcher(compiled), vocab_size=smollm2.size)],
+        tree,
+        size,
+        layout="compact",
+    )
+    np.testing.assert_array_equal(mask.to_dense(), dense)
+    assert (mask.bits[:, smollm2.words :] == 0).all()
+
+
+# -- the index helpers: compiled against the Python fallback -----------------------------------
+def test_keep_rows_agrees_with_the_dense_repair():
+    """keep_rows lists exactly the rows repair_rows leaves alone, with the same counts, and
+    writes nothing; the Python fallback agrees."""
+    from portable_spec.native import native
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n, words = int(rng.integers(1, 14)), int(rng.integers(1, 4))
+        rows = rng.integers(-(2**31), 2**31, (n, words), dtype=np.int64).astype(np.int32)
+        parents = [-1] + [int(rng.integers(0, j)) for j in range(1, n)]
+        nt = np.full(n, -1, np.int64)
+        ns = np.full(n, -1, np.int64)
+        last = [-1] * n
+        for v in range(1, n):
+            p = parents[v]
+            if last[p] == -1:
+                nt[p] = v
+            else:
+                ns[last[p]] = v
+            last[p] = v
+        limit = int(rng.integers(1, 32 * words + 1))
+        dt = rng.integers(-3, limit + 3, n).astype(np.int64)
+        stops = np.array([int(rng.integers(0, limit))], dtype=np.int64)
+        root = int(rng.integers(0, 2))
+        original = rows.copy()
+        fallback = compact_module._keep_rows_python(
+            rows, (nt, ns, dt), limit, frozenset(stops.tolist()), root
+        )
+        np.testing.assert_array_equal(rows, original)
+        if native is None:
+            continue
+        kept, checked, refused = compact_module.keep_rows(rows, (nt, ns, dt), limit, stops, root)
+        np.testing.assert_array_equal(rows, original)  # nothing written
+        repaired = rows.copy()
+        counts = native.repair_rows(repaired, nt, ns, dt, limit, stops, root)
+        assert counts == (len(kept), checked, refused)
+        np.testing.assert_array_equal(repaired[kept], original[kept])
+        assert kept.tolist() == fallback[0].tolist()
+        assert (checked, refused) == fallback[1:]
+        rewritten = [j for j in range(n) if j not in kept.tolist()]
+        assert (repaired[rewritten] == -1).all()
+
+
+def test_take_rows_and_its_refusals(builder_mode):
+    rng = np.random.default_rng(2)
+    source = rng.integers(-(2**31), 2**31, (6, 3), dtype=np.int64).astype(np.int32)
+    index = np.array([5, 0, 3], dtype=np.int32)
+    dest = np.full((3, 5), 9, np.int32)
+    compact_module.take_rows(source, index, dest)
+    np.testing.assert_array_equal(dest[:, :3], source[index])
+    assert (dest[:, 3:] == 0).all()
+    same = np.empty((3, 3), np.int32)
+    compact_module.take_rows(source, index, same)
+    np.testing.assert_array_equal(same, source[index])
+    from portable_spec.native import native
+
+    if builder_mode == "native":
+        with pytest.raises(ValueError, match="every index a source row"):
+            native.take_rows(source, np.array([6], np.int32), np.empty((1, 3), np.int32))
+        with pytest.raises(ValueError, match="one row per index"):
+            native.take_rows(source, index, np.empty((2, 3), np.int32))
+        with pytest.raises(TypeError, match="index must be a 1-D int32"):
+            native.take_rows(source, index.astype(np.int64), dest)
+
+
+# -- CompactMask itself ------------------------------------------------------------------------
+def test_compact_mask_checks_and_to_dense():
+    rows = np.array([1, 3, 4], np.int32)
+    bits = np.array([[5], [6], [7]], np.int32)
+    mask = ps.CompactMask(rows, bits, 4, count=2)
+    dense = mask.to_dense()
+    assert dense[:, 0].tolist() == [-1, 5, -1, 6]  # row 4 = num_rows: padding, dropped
+    assert "count=2" in repr(mask) and mask.capacity == 3 and mask.words == 1
+    with pytest.raises(ValueError, match="rows \\[C\\] and bits \\[C, words\\]"):
+        ps.CompactMask(rows[:2], bits, 4)
+    with pytest.raises(TypeError, match="int32"):
+        ps.CompactMask(rows.astype(np.int64), bits, 4)
+    with pytest.raises(ValueError, match="count = 4"):
+        ps.CompactMask(rows, bits, 4, count=4)
+    with pytest.raises(TypeError, match="num_rows must be an int"):
+        ps.CompactMask(rows, bits, 4.0)
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 1000])
+def test_numpy_compact_apply_equals_dense(vocab):
+    """Random masks, padding entries and rows not listed: the compact apply touches only the
+    listed rows and equals the dense apply of the expanded mask; 1-D logits for one row."""
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    num_rows = 70
+    listed = np.sort(rng.choice(num_rows, size=40, replace=False)).astype(np.int32)
+    rows = np.concatenate([listed, np.full(5, num_rows, np.int32)])
+    bits = rng.integers(-(2**31), 2**31, (45, words), dtype=np.int64).astype(np.int32)
+    mask = ps.CompactMask(rows, bits, num_rows, count=40)
+    logits = rng.standard_normal((num_rows, vocab)).astype(np.float32)
+    want = ps.apply_vocab_mask(logits.copy(), mask.to_dense())
+    got = ps.apply_vocab_mask(logits.copy(), mask)
+    np.testing.assert_array_equal(got, want)
+    unlisted = np.setdiff1d(np.arange(num_rows), listed)
+    np.testing.assert_array_equal(got[unlisted], logits[unlisted])
+    mask_unknown_count = ps.CompactMask(rows, bits, num_rows)
+    np.testing.assert_array_equal(ps.apply_vocab_mask(logits.copy(), mask_unknown_count), want)
+    one = ps.CompactMask(np.array([0], np.int32), bits[:1], 1, count=1)
+    row = logits[0].copy()
+    np.testing.assert_array_equal(
+        ps.apply_vocab_mask(row, one), ps.apply_vocab_mask(logits[0].copy(), bits[0])
+    )
+    with pytest.raises(ValueError, match="same rows"):
+        ps.apply_vocab_mask(logits[:10].copy(), mask)
+    with pytest.raises(TypeError, match="floating"):
+        ps.apply_vocab_mask(np.zeros((num_rows, vocab), np.int32), mask)
