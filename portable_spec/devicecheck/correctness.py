@@ -49,14 +49,14 @@ class Suite:
 SUITES: tuple[Suite, ...] = (
     Suite(
         "backend matrix",
-        ("tests/test_backend_matrix.py",),
+        ("tests/test_backend_matrix.py", "tests/test_compact_matrix.py"),
         gpu_args=("--backend=torch-cuda", "--backend=jax-gpu"),
         cpu_args=("--backend=numpy", "--backend=torch-cpu", "--backend=jax-cpu"),
         gpu_must_pass=("torch-cuda", "jax-gpu"),
         limit_s=90.0,
     ),
     Suite("torch backend", ("tests/test_torch_backend.py",), limit_s=60.0),
-    Suite("jax backend", ("tests/test_jax_backend.py",), limit_s=60.0),
+    Suite("jax backend", ("tests/test_jax_backend.py", "tests/test_compact_jax.py"), limit_s=60.0),
     # CUDA-specific tests: streams, pool reuse under load, xgrammar's CUDA and Triton kernels,
     # dtypes, odd vocabularies, strided and > 2**31-element logits
     Suite("cuda tests", ("tests/test_cuda_*.py",), limit_s=150.0),
