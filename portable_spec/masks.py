@@ -31,8 +31,14 @@ import numpy as np
 __all__ = ["CompactMask", "compact_views", "index_words", "rebase_compact"]
 
 
-def _dtype_name(array: Any) -> str:
-    return str(getattr(array, "dtype", "")).rsplit(".", 1)[-1]
+_INT32 = np.dtype(np.int32)
+
+
+def _is_int32(array: Any) -> bool:
+    dtype = getattr(array, "dtype", None)
+    if isinstance(dtype, np.dtype):  # numpy and JAX (numpy's str() of a dtype is slow)
+        return dtype == _INT32
+    return str(dtype).rsplit(".", 1)[-1] == "int32"  # torch.int32, ...
 
 
 class CompactMask:
@@ -64,7 +70,7 @@ class CompactMask:
                 f"bits {bits_shape}"
             )
         for name, array in (("rows", rows), ("bits", bits)):
-            if _dtype_name(array) != "int32":
+            if not _is_int32(array):
                 raise TypeError(f"CompactMask.{name} must have dtype int32, got {array.dtype}")
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
             raise TypeError(f"num_rows must be an int, got {type(num_rows).__name__}")

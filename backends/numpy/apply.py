@@ -84,9 +84,7 @@ def apply_compact_mask_numpy(logits: np.ndarray, mask: CompactMask) -> np.ndarra
         which, source = rows[real], bits[real]
     covered = min(logits_2d.shape[1], 32 * bits.shape[1])
     for start in range(0, len(which), _CHUNK):
-        index = which[start : start + _CHUNK]
-        allowed = unpack_bitmask(source[start : start + _CHUNK], covered)
-        picked = logits_2d[index, :covered]
-        np.copyto(picked, -np.inf, where=~allowed)
-        logits_2d[index, :covered] = picked
+        dropped = ~unpack_bitmask(source[start : start + _CHUNK], covered)
+        for k, row in enumerate(which[start : start + _CHUNK].tolist()):
+            np.copyto(logits_2d[row, :covered], -np.inf, where=dropped[k])  # a view: in place
     return logits

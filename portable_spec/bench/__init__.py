@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["Preset", "main", "parse_args", "run"]
 
-SECTIONS = ("build", "staging", "apply", "overlap")
+SECTIONS = ("build", "staging", "apply", "overlap", "layout", "async")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,12 @@ class Preset:
     apply_rows: int
     overlap_batch: int
     overlap_nodes: int
+    layout_vocabs: tuple[str, ...] = ("smollm2", "131072")
+    layout_batches: tuple[int, ...] = (8, 64, 256)
+    layout_nodes: tuple[int, ...] = (16, 64)
+    async_vocabs: tuple[str, ...] = ("smollm2", "131072")
+    async_batch: int = 32
+    async_nodes: int = 32
 
 
 FULL = Preset(
@@ -66,6 +72,12 @@ QUICK = Preset(
     apply_rows=32,
     overlap_batch=8,
     overlap_nodes=16,
+    layout_vocabs=("smollm2",),
+    layout_batches=(8,),
+    layout_nodes=(16,),
+    async_vocabs=("smollm2",),
+    async_batch=8,
+    async_nodes=16,
 )
 
 
@@ -92,6 +104,15 @@ def _names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
         return values
 
     return parse
+
+
+def _vocabs(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values or any(v != "smollm2" and not (v.isdigit() and int(v) >= 256) for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected smollm2 and/or vocabulary sizes of at least 256, got {text!r}"
+        )
+    return values
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -144,6 +165,28 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--apply-rows", type=int, help="logit rows of the apply section (full: 256)")
     p.add_argument("--apply-vocab", type=int, default=131072, help="apply vocabulary (131072)")
     p.add_argument("--overlap-batch", type=int, help="overlap batch size (full: 64)")
+    p.add_argument(
+        "--layout",
+        type=_names(("dense", "compact")),
+        default=("dense", "compact"),
+        help="mask layouts of the layout section: dense,compact (default both)",
+    )
+    p.add_argument(
+        "--layout-vocab",
+        type=_vocabs,
+        help="vocabularies of the layout and async sections: smollm2 and/or token counts of "
+        "synthetic ones (full: smollm2,131072)",
+    )
+    p.add_argument("--layout-batch", type=_ints, help="layout section batches (full: 8,64,256)")
+    p.add_argument("--layout-nodes", type=_ints, help="layout section nodes (full: 16,64)")
+    p.add_argument(
+        "--apply-max-mb",
+        type=int,
+        default=1024,
+        help="layout section: apply only where the float32 logits take at most this (1024)",
+    )
+    p.add_argument("--async-batch", type=int, help="async section batch (full: 32)")
+    p.add_argument("--async-nodes", type=int, help="async section nodes (full: 32)")
     p.add_argument(
         "--forward-factor",
         type=float,
@@ -272,7 +315,6 @@ def _machine() -> str:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """Run the selected sections; return the JSON payload (also printed as tables)."""
     import portable_spec as ps
-    from portable_spec.bench import report
     from portable_spec.bench.timing import (
         LoadMeter,
         QuietPolicy,
@@ -313,6 +355,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         )
 
     from portable_spec.bench.build import BuildGrid, run_build_section
+    from portable_spec.bench.layouts import LayoutGrid
 
     grid = BuildGrid(
         kinds=grammars,
@@ -328,6 +371,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     steps += 4 * len(staging_batches) if "staging" in sections else 0
     steps += 5 if "apply" in sections else 0
     steps += 2 if "overlap" in sections else 0
+    layout_vocabs = args.layout_vocab or preset.layout_vocabs
+    async_vocabs = args.layout_vocab or preset.async_vocabs
+    layout_grid = LayoutGrid(
+        vocabs=layout_vocabs,
+        batches=args.layout_batch or preset.layout_batches,
+        nodes=args.layout_nodes or preset.layout_nodes,
+        layouts=args.layout,
+        apply_max_bytes=args.apply_max_mb << 20,
+        topk=args.topk,
+        on_grammar=args.on_grammar,
+        seed=args.seed,
+    )
+    if "layout" in sections:
+        steps += len(layout_grid.vocabs) * len(layout_grid.nodes) * len(layout_grid.batches)
+    steps += len(async_vocabs) if "async" in sections else 0
 
     payload: dict[str, Any] = {
         "meta": {
@@ -356,6 +414,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "staging": [],
         "apply": [],
         "overlap": [],
+        "layout": [],
+        "async": [],
     }
     wall = time.perf_counter()
     meter = LoadMeter()
@@ -438,6 +498,26 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 policy=policy,
                 advance=progress.advance,
             )
+        if "layout" in sections:
+            from portable_spec.bench.layouts import run_layout_section
+
+            progress.describe("layout: drawing request pools")
+            payload["layout"] = run_layout_section(
+                layout_grid, plan, threads=threads, policy=policy, advance=progress.advance
+            )
+        if "async" in sections:
+            from portable_spec.bench.layouts import run_async_section
+
+            progress.describe("async: drawing request pools")
+            payload["async"] = run_async_section(
+                async_vocabs,
+                args.async_batch or preset.async_batch,
+                args.async_nodes or preset.async_nodes,
+                plan,
+                policy=policy,
+                advance=progress.advance,
+                seed=args.seed,
+            )
     payload["meta"]["wall_seconds"] = time.perf_counter() - wall
     payload["meta"]["other_processes_busy_cores_during_run"] = meter.busy_cores()
     payload["meta"]["quiet_policy"] = {
@@ -446,10 +526,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "waited_s": policy.waited_s,
         "remeasured_configs": policy.retried,
     }
-    payload["targets"] = [
-        t.as_dict() for t in report.evaluate_targets(payload["build"], payload["apply"])
-    ]
+    payload["targets"] = [t.as_dict() for t in _targets(payload)]
     return payload
+
+
+def _targets(payload: dict[str, Any]) -> list[Any]:
+    from portable_spec.bench import report
+    from portable_spec.bench.layouts import layout_targets
+
+    return [
+        *report.evaluate_targets(payload["build"], payload["apply"]),
+        *layout_targets(payload.get("layout", []), payload.get("async", [])),
+    ]
 
 
 def _print_tables(payload: dict[str, Any], file: Any) -> None:
@@ -488,7 +576,7 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out(report.build_table(payload["build"]))
         out()
     if payload["targets"]:
-        targets = report.evaluate_targets(payload["build"], payload["apply"])
+        targets = _targets(payload)
         if any(t.met is not None for t in targets):
             out(f"## Targets ({cores} cores)")
             out()
@@ -508,6 +596,26 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out(f"## Overlap ({cores} cores)")
         out()
         out(report.overlap_table(payload["overlap"]))
+        out()
+    if payload.get("layout"):
+        from portable_spec.bench.layouts import layout_apply_table, layout_table
+
+        out(f"## Mask layouts: host build, bytes ({cores} cores, {meta['threads']} threads)")
+        out()
+        out(layout_table(payload["layout"]))
+        out()
+        applied = layout_apply_table(payload["layout"])
+        if applied:
+            out(f"## Mask layouts: apply ({cores} cores; float32 logits)")
+            out()
+            out(applied)
+            out()
+    if payload.get("async"):
+        from portable_spec.bench.layouts import async_table
+
+        out(f"## wait=False ({cores} cores)")
+        out()
+        out(async_table(payload["async"]))
         out()
 
 

@@ -327,6 +327,14 @@ def evaluate_targets(
             lambda r: f"{r['dtype']} {r['rows']}x{r['vocab']}",
             "<= 1x",
         ),
+        _target(
+            "apply, JAX donating jit: time / elementwise select in a donating jit",
+            apply,
+            lambda r: r["framework"] == "jax",
+            lambda r: r["donating_apply_over_floor"],
+            lambda r: f"{r['dtype']} {r['rows']}x{r['vocab']}",
+            "<= 1.2x",
+        ),
     ]
     return targets
 
