@@ -120,10 +120,34 @@ def test_other_sections(quick_run):
         assert math.isfinite(r["hidden_fraction"])
 
 
+def test_layout_and_async_sections(quick_run):
+    """quick: SmolLM2, bs 8 x 16 nodes; both layouts, the same mask, K rows uploaded."""
+    payload, _, stdout = quick_run
+    (layout,) = payload["layout"]
+    assert (layout["batch"], layout["nodes"], layout["vocab_size"]) == (8, 16, 49152)
+    assert set(layout["seconds"]) == {"xgr_loop_reused", "dense", "compact"}
+    assert all(_finite_positive(v) for v in layout["seconds"].values()), layout
+    assert layout["masks_identical"] is True and layout["listed_matches_accepted"] is True
+    assert layout["upload_is_k_rows_plus_index"] is True
+    written = layout["host_bytes_written"]
+    assert written["compact"] < written["dense"] == 8 * 16 * 1536 * 4
+    assert set(layout["apply"]) == {"numpy", "torch", "jax"}
+    for seconds in layout["apply"].values():
+        assert len(seconds) == 2 and all(_finite_positive(v) for v in seconds.values())
+    (pending,) = payload["async"]
+    assert set(pending["seconds"]) == {
+        "blocking",
+        "wait=False (call returns)",
+        "wait=False to result()",
+    }
+    assert all(_finite_positive(v) for v in pending["seconds"].values())
+    assert "## Mask layouts: host build" in stdout and "## wait=False" in stdout
+
+
 def test_targets_and_outputs(quick_run):
     payload, plot_path, stdout = quick_run
     names = [t["name"] for t in payload["targets"]]
-    assert len(names) == 6
+    assert len(names) == 11
     bs1 = next(t for t in payload["targets"] if "bs1" in t["name"])
     assert bs1["met"] in (True, False) and len(bs1["configs"]) == 4
     assert "## Host mask build (" in stdout and "cores" in stdout

@@ -646,10 +646,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [
         r for r in payload["build"] if not (r.get("masks_identical") and r.get("accepted_matches"))
     ]
+    failed += [
+        r
+        for r in payload.get("layout", [])
+        if r.get("masks_identical") is False or r.get("listed_matches_accepted") is False
+    ]
     if failed:
         print(
             f"error: {len(failed)} build configurations produced masks that differ from the "
-            "Python traversal",
+            "Python traversal's (build section) or from the dense layout's (layout section)",
             file=sys.stderr,
         )
         return 1
