@@ -10,6 +10,7 @@ the caller must not touch them itself.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -132,3 +133,14 @@ def start_pending(
                 _held.pop(key, None)
         raise
     return handle
+
+
+def _forget_after_fork() -> None:
+    # the threads of pending builds do not survive fork(): the child holds no matcher
+    global _lock
+    _lock = threading.Lock()
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

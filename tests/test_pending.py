@@ -187,3 +187,65 @@ def _put_in(context):
 
     with context():
         return jax.device_put(np.zeros(2)).devices()
+
+
+FORK_SCRIPT = """
+import os, sys, threading
+import numpy as np, xgrammar as xgr
+sys.path.insert(0, TESTS_DIR)
+from _oracle import ProtocolMatcher
+import portable_spec as ps
+from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+
+vocab = load_vocab()
+grammar = xgr.GrammarCompiler(tokenizer_info(vocab)).compile_builtin_json_grammar()
+gate, entered = threading.Event(), threading.Event()
+
+
+class Gated(ProtocolMatcher):
+    def fill_next_token_bitmask(self, bitmask, index):
+        entered.set()
+        gate.wait(10)
+        return super().fill_next_token_bitmask(bitmask, index)
+
+
+matcher = Gated(xgr.GrammarMatcher(grammar))
+tree = ps.GrammarTree.from_linear_chain(np.array([[0, vocab.tokens.index("{")]]))
+handle = ps.build_grammar_vocab_mask([matcher], tree, vocab.size, wait=False)
+assert entered.wait(10)
+try:
+    ps.build_host_bitmask([matcher], tree, vocab.size)
+    raise SystemExit("the parent did not refuse a held matcher")
+except ValueError:
+    pass
+pid = os.fork()
+if pid == 0:
+    gate.set()  # the child's own copy of the gate
+    code = 3
+    try:
+        mask = ps.build_host_bitmask([matcher], tree, vocab.size)
+        later = ps.build_grammar_vocab_mask([matcher], tree, vocab.size, wait=False)
+        code = 0 if np.array_equal(later.result(timeout=10), mask) else 2
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+gate.set()
+handle.result(timeout=10)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_holds_no_matcher(tmp_path):
+    """The background thread does not survive fork(): in the child, the matchers a pending
+    build of the parent holds are free, and the child's own builds (blocking and not) work.
+    In a fresh interpreter without JAX (forking a process that runs JAX is unsafe)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT.replace("TESTS_DIR", repr(os.path.dirname(__file__))))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
