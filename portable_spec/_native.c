@@ -41,6 +41,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind,
                       Py_ssize_t itemsize, int ndim, const char *name) {
@@ -303,6 +306,23 @@ static PyObject *keep_rows(PyObject *self, PyObject *args) {
     return Py_BuildValue("nnn", kept, checked, rejected);
 }
 
+/* Copy `words` int32 from `from` to `to`. Rows of the output are written once and read by
+   the upload (or the caller) later, not by this thread: streaming stores skip reading the
+   destination lines into the cache first, which halves the memory traffic of the copy. */
+static void copy_row(int32_t *to, const int32_t *from, Py_ssize_t words) {
+#if defined(__SSE2__)
+    if (((uintptr_t)to & 15) == 0) {
+        Py_ssize_t vectors = words / 4;
+        __m128i *dst = (__m128i *)to;
+        const __m128i *src = (const __m128i *)from;
+        for (Py_ssize_t v = 0; v < vectors; v++) _mm_stream_si128(dst + v, _mm_loadu_si128(src + v));
+        for (Py_ssize_t w = vectors * 4; w < words; w++) to[w] = from[w];
+        return;
+    }
+#endif
+    memcpy(to, from, sizeof(int32_t) * (size_t)words);
+}
+
 static PyObject *take_rows(PyObject *self, PyObject *args) {
     PyObject *src_obj, *index_obj, *dest_obj;
     if (!PyArg_ParseTuple(args, "OOO", &src_obj, &index_obj, &dest_obj)) return NULL;
@@ -336,10 +356,13 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     int32_t *to = (int32_t *)dest.buf;
     for (Py_ssize_t i = 0; i < k; i++) {
         int32_t *row = to + i * dest_words;
-        memcpy(row, from + (Py_ssize_t)which[i] * src_words, sizeof(int32_t) * (size_t)common);
+        copy_row(row, from + (Py_ssize_t)which[i] * src_words, common);
         if (dest_words > common)
             memset(row + common, 0, sizeof(int32_t) * (size_t)(dest_words - common));
     }
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streaming stores are visible before anyone reads the rows */
+#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dest);
     PyBuffer_Release(&index);
