@@ -29,9 +29,10 @@
  *       first `kept` entries are valid. For the compact layout, which copies exactly those
  *       rows out and never writes an all-allowed one.
  *
- *   take_rows(source, index, dest)
+ *   take_rows(source, index, dest[, numbers, base])
  *       dest[i, :w] = source[index[i], :w] for every i, w = min(source width, dest width);
- *       the words of dest past the source's width are set to 0. int32 rows; `index` int32 in
+ *       the words of dest past the source's width are set to 0; numbers[i] = index[i] + base
+ *       when given (the rows' numbers in the whole mask). int32 rows; `index` int32 in
  *       [0, rows of source) (checked: ValueError, nothing written).
  *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
@@ -324,9 +325,12 @@ static void copy_row(int32_t *to, const int32_t *from, Py_ssize_t words) {
 }
 
 static PyObject *take_rows(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *index_obj, *dest_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &src_obj, &index_obj, &dest_obj)) return NULL;
-    Py_buffer src, index, dest;
+    PyObject *src_obj, *index_obj, *dest_obj, *numbers_obj = NULL;
+    Py_ssize_t base = 0;
+    if (!PyArg_ParseTuple(args, "OOO|On", &src_obj, &index_obj, &dest_obj, &numbers_obj, &base))
+        return NULL;
+    Py_buffer src, index, dest, numbers;
+    numbers.buf = NULL;
     if (get_buffer(src_obj, &src, 0, 'i', 4, 2, "source") != 0) return NULL;
     if (get_buffer(index_obj, &index, 0, 'i', 4, 1, "index") != 0) {
         PyBuffer_Release(&src);
@@ -337,17 +341,28 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
+    if (numbers_obj != NULL && numbers_obj != Py_None &&
+        get_buffer(numbers_obj, &numbers, 1, 'i', 4, 1, "numbers") != 0) {
+        PyBuffer_Release(&dest);
+        PyBuffer_Release(&index);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int has_numbers = numbers_obj != NULL && numbers_obj != Py_None;
     Py_ssize_t n = src.shape[0], src_words = src.shape[1], k = index.shape[0];
     Py_ssize_t dest_words = dest.shape[1];
     const int32_t *which = (const int32_t *)index.buf;
-    int ok = dest.shape[0] == k;
+    int ok = dest.shape[0] == k && (!has_numbers || numbers.shape[0] == k);
+    ok = ok && base >= 0 && base + n <= INT32_MAX;
     for (Py_ssize_t i = 0; ok && i < k; i++) ok = which[i] >= 0 && which[i] < n;
     if (!ok) {
+        if (has_numbers) PyBuffer_Release(&numbers);
         PyBuffer_Release(&dest);
         PyBuffer_Release(&index);
         PyBuffer_Release(&src);
         PyErr_SetString(PyExc_ValueError,
-                        "take_rows: dest needs one row per index, every index a source row");
+                        "take_rows: dest (and numbers) need one row per index, every index a "
+                        "source row");
         return NULL;
     }
     Py_ssize_t common = src_words < dest_words ? src_words : dest_words;
@@ -363,7 +378,12 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
 #if defined(__SSE2__)
     _mm_sfence(); /* the streaming stores are visible before anyone reads the rows */
 #endif
+    if (has_numbers) {
+        int32_t *out = (int32_t *)numbers.buf;
+        for (Py_ssize_t i = 0; i < k; i++) out[i] = (int32_t)(which[i] + base);
+    }
     Py_END_ALLOW_THREADS
+    if (has_numbers) PyBuffer_Release(&numbers);
     PyBuffer_Release(&dest);
     PyBuffer_Release(&index);
     PyBuffer_Release(&src);
@@ -384,8 +404,9 @@ static PyMethodDef methods[] = {
      "(kept, checked, refused): the decision of repair_rows without writing any row; the "
      "kept nodes go to `kept` (int32 [nodes]) in ascending order (GIL released)."},
     {"take_rows", take_rows, METH_VARARGS,
-     "take_rows(source, index, dest): dest[i] = source[index[i]] for int32 rows, words past "
-     "the source's width set to 0 (GIL released)."},
+     "take_rows(source, index, dest[, numbers, base]): dest[i] = source[index[i]] for int32 "
+     "rows, words past the source's width set to 0; numbers[i] = index[i] + base (GIL "
+     "released)."},
     {NULL, NULL, 0, NULL},
 };
 

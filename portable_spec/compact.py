@@ -114,12 +114,15 @@ def _keep_rows_python(
     return np.array(sorted(queue), dtype=np.int32), checked, refused
 
 
-def take_rows(source: np.ndarray, index: np.ndarray, dest: np.ndarray) -> None:
-    """``dest[i] = source[index[i]]`` (int32 rows); words of ``dest`` past the source's width
-    are set to 0. ``dest`` is C-contiguous ``[len(index), words]``."""
+def take_rows(
+    source: np.ndarray, index: np.ndarray, dest: np.ndarray, numbers: np.ndarray, base: int
+) -> None:
+    """``dest[i] = source[index[i]]`` (int32 rows, words of ``dest`` past the source's width
+    set to 0) and ``numbers[i] = index[i] + base``. ``dest`` is C-contiguous
+    ``[len(index), words]``, ``index`` and ``numbers`` int32 ``[len(index)]``."""
     native = compiled.native
     if native is not None:
-        native.take_rows(source, np.ascontiguousarray(index, dtype=np.int32), dest)
+        native.take_rows(source, index, dest, numbers, base)
         return
     width = source.shape[1]
     if width == dest.shape[1]:
@@ -127,6 +130,7 @@ def take_rows(source: np.ndarray, index: np.ndarray, dest: np.ndarray) -> None:
     else:
         dest[:, :width] = source[index]
         dest[:, width:] = 0
+    np.add(index, base, out=numbers, casting="unsafe")
 
 
 # -- scratch blocks ----------------------------------------------------------------------------
@@ -200,8 +204,8 @@ class _Sink:
         for request, src, which, back, offset in ready:
             end = offset + len(which)
             if end <= self.capacity and len(which):
-                take_rows(src, which, self.bits[offset:end])
-                np.add(which, request * self.nodes, out=self.rows[offset:end], casting="unsafe")
+                rows = self.rows[offset:end]
+                take_rows(src, which, self.bits[offset:end], rows, request * self.nodes)
             if back:
                 _scratch.give(src)
 

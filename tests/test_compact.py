@@ -274,12 +274,15 @@ def test_take_rows_and_its_refusals(builder_mode):
     source = rng.integers(-(2**31), 2**31, (6, 3), dtype=np.int64).astype(np.int32)
     index = np.array([5, 0, 3], dtype=np.int32)
     dest = np.full((3, 5), 9, np.int32)
-    compact_module.take_rows(source, index, dest)
+    numbers = np.zeros(3, np.int32)
+    compact_module.take_rows(source, index, dest, numbers, 60)
     np.testing.assert_array_equal(dest[:, :3], source[index])
     assert (dest[:, 3:] == 0).all()
+    assert numbers.tolist() == [65, 60, 63]
     same = np.empty((3, 3), np.int32)
-    compact_module.take_rows(source, index, same)
+    compact_module.take_rows(source, index, same, numbers, 0)
     np.testing.assert_array_equal(same, source[index])
+    assert numbers.tolist() == [5, 0, 3]
     from portable_spec.native import native
 
     if builder_mode == "native":
@@ -287,6 +290,8 @@ def test_take_rows_and_its_refusals(builder_mode):
             native.take_rows(source, np.array([6], np.int32), np.empty((1, 3), np.int32))
         with pytest.raises(ValueError, match="one row per index"):
             native.take_rows(source, index, np.empty((2, 3), np.int32))
+        with pytest.raises(ValueError, match="one row per index"):
+            native.take_rows(source, index, same, np.zeros(2, np.int32), 0)
         with pytest.raises(TypeError, match="index must be a 1-D int32"):
             native.take_rows(source, index.astype(np.int64), dest)
 
