@@ -342,3 +342,29 @@ def test_numpy_compact_apply_equals_dense(vocab):
         ps.apply_vocab_mask(logits[:10].copy(), mask)
     with pytest.raises(TypeError, match="floating"):
         ps.apply_vocab_mask(np.zeros((num_rows, vocab), np.int32), mask)
+
+
+def test_backends_and_placements_without_compact_masks_are_refused(smollm2, monkeypatch):
+    """A backend without upload_compact, and a mask spanning several processes, refuse the
+    compact layout before any matcher moves."""
+    from portable_spec.backend import Backend, MaskLayout
+
+    compiled = smollm2.grammars["builtin_json"]
+    matchers = [ProtocolMatcher(xgr_matcher(compiled))]
+    tree = ps.GrammarTree.from_linear_chain(np.zeros((1, 3), np.int64))
+    numpy_backend = type(ps.get_backend("numpy"))
+    with monkeypatch.context() as patch:
+        patch.setattr(numpy_backend, "upload_compact", Backend.upload_compact)
+        with pytest.raises(TypeError, match="'numpy' has no compact mask layout"):
+            ps.build_grammar_vocab_mask(matchers, tree, smollm2.size, layout="compact")
+    with monkeypatch.context() as patch:
+
+        def collective(self, placement, batch, nodes, vocab_size, row_capacity):
+            return MaskLayout(batch * nodes, ((0, batch * nodes, 0),), placement, True)
+
+        patch.setattr(numpy_backend, "mask_layout", collective)
+        with pytest.raises(ValueError, match="placement within this process"):
+            ps.build_grammar_vocab_mask(matchers, tree, smollm2.size, layout="compact")
+    assert matchers[0].calls == []
+    with pytest.raises(TypeError, match="cannot apply a CompactMask"):
+        Backend.apply_compact_mask(ps.get_backend("numpy"), np.zeros((1, 32)), None)
