@@ -138,3 +138,21 @@ def test_cli_routes_bench_help(capsys):
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_engines_section(quick_run):
+    """Every installed engine against its own loop: both shapes, rows agree with the loop."""
+    from portable_spec.bench.engines import available_engines
+
+    payload, _, stdout = quick_run
+    records = payload["engines"]
+    assert {r["engine"] for r in records} == set(available_engines())
+    assert {r["shape"] for r in records} == {"tree", "chain"}
+    for r in records:
+        assert r["rows_agree"], r
+        assert r["live_rows"] > 0
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert ("engine_par_chain" in r["seconds"]) == (
+            r["engine"] == "llguidance" and r["shape"] == "chain"
+        )
+    assert "## Grammar engines" in stdout

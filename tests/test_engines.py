@@ -291,3 +291,24 @@ def test_deep_chain_without_recursion(smollm2):
     mask = ps.build_host_bitmask([llm, guide], ps.GrammarTree.from_linear_chain(dt), smollm2.size)
     assert _live(mask, 3001).all()
     assert guide.get_state() == outlines_core.Guide(index, max_rollback=1).get_state()
+
+
+def test_llguidance_chain_row_equal_to_the_sentinel(smollm2, tok, monkeypatch):
+    """The chain fill tells written rows by a sentinel; a real row that happens to equal it
+    is still recognised as written (decided on a fork), and the mask is unchanged."""
+    import portable_spec.engines.llguidance as engine
+
+    text = tok.encode('{"name": "ab", "age": 4')
+    dt = np.array([[0, *text]])
+    want = ps.build_host_bitmask(
+        [ge.llguidance_matcher("json_schema")], ps.GrammarTree.from_linear_chain(dt), smollm2.size
+    )
+    assert (want != -1).any(axis=1).all()
+    for node in (1, 3, len(text)):  # rows in the middle and at the end of the chain
+        monkeypatch.setattr(engine, "_SENTINEL", (int(want[node, 0]), int(want[node, -1])))
+        got = ps.build_host_bitmask(
+            [ge.llguidance_matcher("json_schema")],
+            ps.GrammarTree.from_linear_chain(dt),
+            smollm2.size,
+        )
+        np.testing.assert_array_equal(got, want)

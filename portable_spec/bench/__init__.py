@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["Preset", "main", "parse_args", "run"]
 
-SECTIONS = ("build", "staging", "apply", "overlap")
+SECTIONS = ("build", "staging", "apply", "overlap", "engines")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--shapes", type=_names(SHAPES), help="tree shapes: tree,chain")
     p.add_argument(
         "--grammars", type=_names(GRAMMAR_KINDS), help="grammars: json_schema,ebnf,regex"
+    )
+    p.add_argument(
+        "--engines",
+        type=_names(("xgrammar", "llguidance", "outlines")),
+        help="grammar engines of the engines section (default: those installed)",
+    )
+    p.add_argument(
+        "--engine-batch", type=_ints, help="engines section batch sizes (full: 1,8,64,256)"
     )
     p.add_argument("--rounds", type=int, help="most timed rounds per configuration")
     p.add_argument("--min-rounds", type=int, help="fewest timed rounds per configuration")
@@ -328,6 +336,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     steps += 4 * len(staging_batches) if "staging" in sections else 0
     steps += 5 if "apply" in sections else 0
     steps += 2 if "overlap" in sections else 0
+    from portable_spec.bench.engines import available_engines
+
+    engines = args.engines or available_engines()
+    engine_batches = args.engine_batch or preset.batches
+    engine_kinds = args.grammars or ("json_schema",)
+    engine_nodes = args.nodes or (16,)
+    if "engines" in sections:
+        steps += len(engines) * len(engine_kinds) * len(shapes) * len(engine_nodes)
 
     payload: dict[str, Any] = {
         "meta": {
@@ -356,12 +372,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "staging": [],
         "apply": [],
         "overlap": [],
+        "engines": [],
     }
     wall = time.perf_counter()
     meter = LoadMeter()
     with _Progress(steps, not args.no_progress) as progress, _torch_threads(args.torch_threads):
         progress.describe("loading the SmolLM2 vocabulary and compiling grammars")
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
+        if "engines" in sections:
+            kinds = (*kinds, *engine_kinds)
         setup = load_setup(tuple(dict.fromkeys(kinds)))
         payload["meta"]["vocab_size"] = setup.vocab_size
         if "apply" in sections and args.apply_vocab < setup.vocab_size:
@@ -438,6 +457,25 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 policy=policy,
                 advance=progress.advance,
             )
+        if "engines" in sections:
+            from portable_spec.bench.engines import run_engines_section
+
+            progress.describe("engines: drawing request pools")
+            payload["engines"] = run_engines_section(
+                setup,
+                engines,
+                engine_kinds,
+                shapes,
+                engine_nodes,
+                engine_batches,
+                lambda _batch, _nodes: plan,
+                threads=threads,
+                topk=args.topk,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
     payload["meta"]["wall_seconds"] = time.perf_counter() - wall
     payload["meta"]["other_processes_busy_cores_during_run"] = meter.busy_cores()
     payload["meta"]["quiet_policy"] = {
@@ -508,6 +546,16 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out(f"## Overlap ({cores} cores)")
         out()
         out(report.overlap_table(payload["overlap"]))
+        out()
+    if payload.get("engines"):
+        out(f"## Grammar engines ({cores} cores, {meta['threads']} portable_spec threads)")
+        out()
+        out(
+            "Each engine against its own per-request, per-node loop (and llguidance's parallel "
+            "chain fill on chains); `vs X` = X's median / portable_spec's median."
+        )
+        out()
+        out(report.engines_table(payload["engines"]))
         out()
 
 

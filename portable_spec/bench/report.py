@@ -126,6 +126,50 @@ def build_table(records: Sequence[dict[str, Any]]) -> str:
     return _table(header, rows)
 
 
+def engines_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per engine configuration: medians (ms) and speedups over the engine's own
+    per-node loop (and llguidance's parallel chain fill, on chains)."""
+    if not records:
+        return ""
+    header = [
+        "engine",
+        "grammar",
+        "shape",
+        "nodes",
+        "batch",
+        "live rows",
+        "ours ms",
+        "engine loop ms",
+        "vs engine loop",
+        "par chain fill ms",
+        "vs par chain fill",
+        "check",
+        "bg",
+    ]
+    rows = []
+    for r in records:
+        s, sp = r["seconds"], r["speedup"]
+        par = "engine_par_chain" in s
+        rows.append(
+            [
+                r["engine"],
+                r["kind"],
+                r["shape"],
+                str(r["nodes"]),
+                str(r["batch"]),
+                str(r["live_rows"]),
+                _ms(s["portable_spec"]),
+                _ms(s["engine_loop"]),
+                _x(sp["engine_loop"]),
+                _ms(s["engine_par_chain"]) if par else "-",
+                _x(sp["engine_par_chain"]) if par else "-",
+                "ok" if r.get("rows_agree") else "MISMATCH",
+                _bg(r),
+            ]
+        )
+    return _table(header, rows)
+
+
 def staging_table(records: Sequence[dict[str, Any]]) -> str:
     """Tree download and mask upload: medians per method (ms) and plain / library."""
     if not records:

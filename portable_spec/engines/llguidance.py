@@ -269,11 +269,11 @@ def _chain_counts(
     if nodes == 1:
         return np.zeros((count, 2), dtype=np.int64)
     checked = np.minimum(alive, nodes - 1)
-    position = np.minimum(alive, nodes - 1)  # draft index of the first non-live node
-    stop = tokens[np.arange(count), np.maximum(position - 1, 0)]
-    parent = mask[out_rows[np.arange(count), np.maximum(position - 1, 0)]]
+    first_out = np.maximum(np.minimum(alive, nodes - 1) - 1, 0)  # draft index of the first
+    stop = tokens[np.arange(count), first_out]  # non-live node (its parent: node first_out)
     safe = np.clip(stop, 0, limit - 1)
-    allowed = (parent[np.arange(count), safe >> 5] >> (safe & 31)) & 1
+    word = mask[out_rows[np.arange(count), first_out], safe >> 5]
+    allowed = (word >> (safe & 31)) & 1
     refused = (alive > 0) & (alive < nodes) & ((stop < 0) | (stop >= limit) | (allowed == 0))
     return np.stack([checked, refused.astype(np.int64)], axis=1)
 
@@ -308,21 +308,21 @@ def _live_drafts(
     if sparse.any():  # an end token's row has at most END_ROW_MAX_WORDS non-zero words
         where = np.nonzero(sparse)
         sample = np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
-        dense = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
-        sparse[where] = dense <= END_ROW_MAX_WORDS
-    suspects = np.argwhere((intact | sparse) & before_stop)
-    for k, i in suspects:
+        candidate = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
+        candidate = candidate <= END_ROW_MAX_WORDS
+        sparse[where] = candidate
+        if candidate.any():  # confirm on whole rows
+            rows_left = own_rows[where][candidate]
+            full = np.count_nonzero(target[rows_left], axis=1) <= END_ROW_MAX_WORDS
+            sparse[where[0][candidate], where[1][candidate]] = full
+    for k, i in np.argwhere((intact | sparse) & before_stop).tolist():
         if ended[k] or i >= live[k]:
             continue
         matcher = matchers[requests[k]]
         path = tokens[k, : i + 1].tolist()
         if intact[k, i] and _stopped_at(matcher, path[:-1]):
             live[k] = i  # an end token after a complete grammar: nothing written
-        elif (
-            sparse[k, i]
-            and np.count_nonzero(target[own_rows[k, i]]) <= END_ROW_MAX_WORDS
-            and _ends(matcher, path)
-        ):
+        elif sparse[k, i] and _ends(matcher, path):
             live[k] = i  # an end token: its row holds the end tokens only
     return live
 
