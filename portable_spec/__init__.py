@@ -20,6 +20,7 @@ from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 from portable_spec.pool import get_num_threads, set_num_threads
+from portable_spec.reasoning import Reasoning
 from portable_spec.registry import available_backends, backend_for, get_backend, register_backend
 from portable_spec.stats import (
     get_slow_grammar_threshold,
@@ -40,6 +41,7 @@ __all__ = [
     "HostBufferPool",
     "MaskLayout",
     "MatcherError",
+    "Reasoning",
     "StagedArrays",
     "apply_vocab_mask",
     "available_backends",

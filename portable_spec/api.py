@@ -34,6 +34,8 @@ def build_grammar_vocab_mask(
     *,
     device: Any = None,
     row_capacity: int | None = None,
+    reasoning: Any = None,
+    return_valid: bool = False,
 ) -> Any:
     """Build the batch's grammar bitmask on the host and start its upload to ``device``.
 
@@ -55,6 +57,10 @@ def build_grammar_vocab_mask(
             each device gets ``row_capacity / parts`` rows, its own requests' rows first, then
             its padding, so the capacity must divide evenly and leave every part room for its
             requests.
+        reasoning: a :class:`portable_spec.Reasoning` for reasoning models, as for
+            :func:`build_host_bitmask`.
+        return_valid: also return which nodes the grammars accept: a host (numpy) bool
+            ``[batch, nodes]`` array, as for :func:`build_host_bitmask`.
 
     Returns:
         The backend's int32 ``[rows, ceil(vocab / 32)]`` array, ``rows`` being
@@ -63,7 +69,8 @@ def build_grammar_vocab_mask(
         has a grammar (the engine should then drop any mask it kept from an earlier step),
         **except** when ``row_capacity`` is given or the placement spans other processes: then
         the all-allowed mask of that shape and placement comes back, so the engine's jitted
-        sampler sees one signature and every process runs the same program.
+        sampler sees one signature and every process runs the same program. With
+        ``return_valid=True``: ``(mask, valid)``.
 
     Raises:
         TypeError, ValueError: bad grammars, tree, vocabulary size, ``row_capacity`` or
@@ -87,11 +94,21 @@ def build_grammar_vocab_mask(
     _check_layout(layout, rows, backend)
     always = capacity is not None or layout.collective
     buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
+    valid = None
     try:
-        mask = build_host_bitmask(grammars, tree, vocab_size, out=buffer.array[:rows])
+        mask = build_host_bitmask(
+            grammars,
+            tree,
+            vocab_size,
+            out=buffer.array[:rows],
+            reasoning=reasoning,
+            return_valid=return_valid,
+        )
+        if return_valid:
+            mask, valid = mask
         if mask is None and not always:
             backend.release_host_mask(buffer)
-            return None
+            return (None, valid) if return_valid else None
         if mask is None:
             buffer.array.fill(ALL_ALLOWED)
         else:
@@ -103,7 +120,7 @@ def build_grammar_vocab_mask(
     uploaded = backend.upload(buffer, layout.placement)
     done = perf_counter()
     record_upload(done - uploading, done - started)
-    return uploaded
+    return (uploaded, valid) if return_valid else uploaded
 
 
 def _check_capacity(row_capacity: Any, rows: int) -> int:

@@ -122,6 +122,76 @@ def expected_rows(
     return rows
 
 
+def expected_accepted(
+    fresh: Callable[[], Any] | None,
+    next_token: Sequence[int],
+    next_sibling: Sequence[int],
+    draft: Sequence[int],
+    vocab: int,
+    grammar_words: int,
+) -> list[bool]:
+    """Which nodes of one request the grammar accepts, by per-node path replay: every node
+    on the path (the node included) has its token in range and allowed by the row before it
+    and accepted by the matcher, and no node above it is terminated. Unconstrained requests
+    accept every node a link reaches; padding no link reaches is never accepted."""
+    n = len(next_token)
+    parent = parents_of(next_token, next_sibling)
+    accepted = [False] * n
+    for j in range(n):
+        if j != 0 and parent[j] == -1:
+            continue
+        path = []
+        v = j
+        while v != 0:
+            path.append(v)
+            v = parent[v]
+        path.reverse()
+        if fresh is None:
+            accepted[j] = True
+            continue
+        m = fresh()
+        ok = True
+        for v in path:
+            t = int(draft[v])
+            if m.is_terminated():
+                ok = False
+                break
+            row = fill_row(m, grammar_words, vocab)
+            if not (0 <= t < min(vocab, 32 * grammar_words) and allowed_bit(row, t)):
+                ok = False
+                break
+            if not m.accept_token(t):
+                ok = False
+                break
+        accepted[j] = ok
+    return accepted
+
+
+def expected_valid(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> np.ndarray:
+    """bool ``[batch, nodes]`` of :func:`expected_accepted` per request."""
+    return np.array(
+        [
+            expected_accepted(
+                None if r is None else r.fresh,
+                next_token[b].tolist(),
+                next_sibling[b].tolist(),
+                draft[b].tolist(),
+                vocab,
+                grammar_words,
+            )
+            for b, r in enumerate(requests)
+        ],
+        dtype=bool,
+    )
+
+
 def expected_mask(
     requests: Sequence[Request | None],
     next_token: np.ndarray,
@@ -276,3 +346,85 @@ def assert_mask_matches(case: Any, grammar_words: int, mask: np.ndarray | None) 
     assert mask.shape == want.shape
     bad = np.flatnonzero((mask != want).any(axis=1))
     assert bad.size == 0, f"rows differing from the oracle: {bad.tolist()}"
+
+
+def expected_reasoning_mask(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+    active: Sequence[bool],
+    ends: set[int],
+    content_ends: set[int],
+    with_valid: bool = False,
+) -> Any:
+    """The reasoning rule by per-node path replay: along each path of an active request the
+    free-text row (all allowed but the content end tokens a fresh matcher refuses first)
+    holds until an end token (grammar after it) or a content end token (the grammar's first
+    token); from there on, the grammar on a fresh matcher, as in :func:`expected_rows`."""
+    width = words(vocab)
+    limit = min(vocab, 32 * grammar_words)
+    blocks = []
+    valid = []
+    for b, request in enumerate(requests):
+        nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
+        if request is None or not active[b]:
+            fresh = None if request is None else request.fresh
+            blocks.append(expected_rows(fresh, nt, ns, dt, vocab, grammar_words))
+            valid.append(expected_accepted(fresh, nt, ns, dt, vocab, grammar_words))
+            continue
+        start = request.fresh()
+        free = np.full(width, -1, dtype=np.int32)
+        if not start.is_terminated():
+            first = fill_row(start, grammar_words, vocab)
+            for t in content_ends:
+                if not allowed_bit(first, t):
+                    free.view(np.uint32)[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+        parent = parents_of(nt, ns)
+        rows = np.full((len(nt), width), -1, dtype=np.int32)
+        accepted = [False] * len(nt)
+        for j in range(len(nt)):
+            if j != 0 and parent[j] == -1:
+                continue
+            path = []
+            v = j
+            while v != 0:
+                path.append(v)
+                v = parent[v]
+            path.reverse()
+            state, m, alive = "reasoning", None, True
+            ok = True  # every node of the path so far was accepted
+            for v in path:
+                t = dt[v]
+                if not alive:
+                    ok = False
+                    break
+                if state == "reasoning":
+                    if not (0 <= t < vocab and allowed_bit(free, t)):
+                        alive = ok = False
+                        break
+                    if t in ends:
+                        state, m = "grammar", request.fresh()
+                        alive = not m.is_terminated()
+                    elif t in content_ends:
+                        state, m = "grammar", request.fresh()
+                        if not m.accept_token(t):
+                            alive = ok = False
+                            break
+                        alive = not m.is_terminated()
+                    continue
+                row = fill_row(m, grammar_words, vocab)
+                if not (0 <= t < limit and allowed_bit(row, t)) or not m.accept_token(t):
+                    alive = ok = False
+                    break
+                alive = not m.is_terminated()
+            accepted[j] = ok
+            if not alive:
+                continue
+            rows[j] = free if state == "reasoning" else fill_row(m, grammar_words, vocab)
+        blocks.append(rows)
+        valid.append(accepted)
+    mask = np.concatenate(blocks, axis=0)
+    return (mask, np.array(valid, dtype=bool)) if with_valid else mask

@@ -197,6 +197,7 @@ def fill_llguidance_chains(
     vocab_size: int,
     counts: np.ndarray,
     threads: int,
+    live: np.ndarray | None = None,
 ) -> None:
     """Write the rows of chain requests (node ``i``'s only child is ``i + 1``) whose matchers
     have bitmask width ``width``, in one call of llguidance's executor.
@@ -209,6 +210,7 @@ def fill_llguidance_chains(
         vocab_size: the model's vocabulary size.
         counts: int64 ``[batch, 2]``: ``(checked, refused)`` draft nodes, set per request.
         threads: the executor's thread count.
+        live: optional bool ``[batch * nodes]``; the live nodes' rows are set True.
 
     Blocks until done; the GIL is released while the executor runs. The matchers do not move.
     Which rows the executor wrote is read off the rows themselves (vectorized over the batch);
@@ -248,15 +250,17 @@ def fill_llguidance_chains(
         )
     for matcher, first in lone:  # the executor wants drafts: a lone start row directly
         matcher.unsafe_compute_mask_ptr(target[first].ctypes.data, width * 4)
-    live = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
+    live_drafts = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
     # live nodes per request: the root and its live drafts (none when terminated)
-    alive = np.where(ended, 0, live + 1)
+    alive = np.where(ended, 0, live_drafts + 1)
     kept = np.arange(nodes)[None, :] < alive[:, None]
     out_rows = np.asarray(requests)[:, None] * nodes + np.arange(nodes)
     if not direct:
         mask[out_rows[kept], :width] = target[rows[kept]]
         mask[out_rows[kept], width:] = 0
     mask[out_rows[~kept]] = -1
+    if live is not None:
+        live[out_rows[kept]] = True
     counts[requests] = _chain_counts(mask, out_rows, tokens, alive, limit)
 
 
