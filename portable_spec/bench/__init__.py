@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["Preset", "main", "parse_args", "run"]
 
-SECTIONS = ("build", "staging", "apply", "overlap", "engines")
+SECTIONS = ("build", "staging", "apply", "overlap", "engines", "chains")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class Preset:
     apply_rows: int
     overlap_batch: int
     overlap_nodes: int
+    chain_drafts: tuple[int, ...]
+    chain_batches: tuple[int, ...]
+    chain_reasoning: tuple[float, ...]
 
 
 FULL = Preset(
@@ -52,6 +55,9 @@ FULL = Preset(
     apply_rows=256,
     overlap_batch=64,
     overlap_nodes=64,
+    chain_drafts=(1, 2, 4, 8),
+    chain_batches=(1, 8, 64, 256),
+    chain_reasoning=(0.0, 0.5),
 )
 
 QUICK = Preset(
@@ -66,6 +72,9 @@ QUICK = Preset(
     apply_rows=32,
     overlap_batch=8,
     overlap_nodes=16,
+    chain_drafts=(1, 4),
+    chain_batches=(1, 8),
+    chain_reasoning=(0.5,),
 )
 
 
@@ -78,6 +87,18 @@ def _ints(text: str) -> tuple[int, ...]:
         ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected shares in [0, 1], got {text!r}")
     return values
 
 
@@ -126,6 +147,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--engine-batch", type=_ints, help="engines section batch sizes (full: 1,8,64,256)"
+    )
+    p.add_argument(
+        "--chain-drafts", type=_ints, help="chains section: drafts per request K (full: 1,2,4,8)"
+    )
+    p.add_argument(
+        "--chain-batch", type=_ints, help="chains section batch sizes (full: 1,8,64,256)"
+    )
+    p.add_argument(
+        "--chain-reasoning",
+        type=_shares,
+        help="chains section: shares of the batch still reasoning (full: 0,0.5)",
     )
     p.add_argument("--rounds", type=int, help="most timed rounds per configuration")
     p.add_argument("--min-rounds", type=int, help="fewest timed rounds per configuration")
@@ -344,6 +376,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     engine_nodes = args.nodes or (16,)
     if "engines" in sections:
         steps += len(engines) * len(engine_kinds) * len(shapes) * len(engine_nodes)
+    chain_drafts = args.chain_drafts or preset.chain_drafts
+    chain_batches = args.chain_batch or preset.chain_batches
+    chain_reasoning = args.chain_reasoning or preset.chain_reasoning
+    steps += len(chain_drafts) * len(chain_reasoning) if "chains" in sections else 0
 
     payload: dict[str, Any] = {
         "meta": {
@@ -373,6 +409,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "apply": [],
         "overlap": [],
         "engines": [],
+        "chains": [],
     }
     wall = time.perf_counter()
     meter = LoadMeter()
@@ -381,6 +418,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
         if "engines" in sections:
             kinds = (*kinds, *engine_kinds)
+        if "chains" in sections:
+            kinds = (*kinds, "json_schema")
         setup = load_setup(tuple(dict.fromkeys(kinds)))
         payload["meta"]["vocab_size"] = setup.vocab_size
         if "apply" in sections and args.apply_vocab < setup.vocab_size:
@@ -476,6 +515,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 policy=policy,
                 advance=progress.advance,
             )
+        if "chains" in sections:
+            from portable_spec.bench.chains import run_chains_section
+
+            progress.describe("chains: drawing request pools")
+            payload["chains"] = run_chains_section(
+                setup,
+                chain_drafts,
+                chain_batches,
+                lambda _batch, _nodes: plan,
+                threads=threads,
+                reasoning_shares=chain_reasoning,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
     payload["meta"]["wall_seconds"] = time.perf_counter() - wall
     payload["meta"]["other_processes_busy_cores_during_run"] = meter.busy_cores()
     payload["meta"]["quiet_policy"] = {
@@ -557,11 +612,22 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(report.engines_table(payload["engines"]))
         out()
+    if payload.get("chains"):
+        out(f"## vLLM-style chains ({cores} cores, {meta['threads']} portable_spec threads)")
+        out()
+        out(
+            "The vLLM recipe's build (K drafts + 1 bonus row per request, part of the batch "
+            "still reasoning) against vLLM's serial per-token fill; `vs X` = X's median / "
+            "portable_spec's median."
+        )
+        out()
+        out(report.chains_table(payload["chains"]))
+        out()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``portable-spec bench``; returns the exit status (1 if a mask check
-    failed: the library and the Python traversal disagreed)."""
+    failed: the library and the Python traversal, or the serial chain fill, disagreed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     payload = run(args, argv)
@@ -592,5 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Python traversal",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    chains = [r for r in payload["chains"] if not r.get("rows_identical")]
+    if chains:
+        print(
+            f"error: {len(chains)} chain configurations produced rows that differ from the "
+            "serial fill",
+            file=sys.stderr,
+        )
+    return 1 if failed or chains else 0

@@ -15,6 +15,7 @@ __all__ = [
     "Target",
     "apply_table",
     "build_table",
+    "chains_table",
     "evaluate_targets",
     "meta_lines",
     "overlap_table",
@@ -164,6 +165,45 @@ def engines_table(records: Sequence[dict[str, Any]]) -> str:
                 _ms(s["engine_par_chain"]) if par else "-",
                 _x(sp["engine_par_chain"]) if par else "-",
                 "ok" if r.get("rows_agree") else "MISMATCH",
+                _bg(r),
+            ]
+        )
+    return _table(header, rows)
+
+
+def chains_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per ``(K, batch)`` of the chains section: medians (ms) and speedups over the
+    serial fill (drafts validated beforehand, untimed) and over validation + fill."""
+    if not records:
+        return ""
+    header = [
+        "K",
+        "batch",
+        "reasoning",
+        "ends in window",
+        "ours ms",
+        "serial fill ms",
+        "validate + fill ms",
+        "vs serial fill",
+        "vs validate + fill",
+        "check",
+        "bg",
+    ]
+    rows = []
+    for r in records:
+        s, sp = r["seconds"], r["speedup"]
+        rows.append(
+            [
+                str(r["k"]),
+                str(r["batch"]),
+                f"{100 * r['reasoning_share']:.0f}%",
+                f"{r['ends_in_window']:g}",
+                _ms(s["portable_spec"]),
+                _ms(s["serial_fill"]),
+                _ms(s["validate_fill"]),
+                _x(sp["serial_fill"]),
+                _x(sp["validate_fill"]),
+                "ok" if r.get("rows_identical") else "MISMATCH",
                 _bg(r),
             ]
         )
