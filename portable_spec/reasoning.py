@@ -6,8 +6,9 @@ others, so the rule is applied per root path (see :class:`Reasoning`). The mask 
 three steps, all through :func:`portable_spec.build_host_bitmask`:
 
 1. the requests that are not reasoning, as usual (reasoning ones are passed as ``None``);
-2. each reasoning request's root mask (a one-node build) gives its free-text row: everything
-   allowed except the content end tokens the grammar refuses as first content;
+2. each reasoning request's free-text row: everything allowed except the content end tokens
+   the grammar refuses as first content (read off its first mask by a one-node build, once
+   per matcher: a reasoning matcher stands at its start state);
 3. every node where the reasoning ends starts a sub-tree walked by the grammar from its
    starting state (for a content end token, the token itself is the grammar's first), in
    rounds with at most one sub-tree per matcher; the rows are copied into place.
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec.engines.base import IdentityCache
 from portable_spec.errors import MatcherError
 from portable_spec.tree import GrammarTree
 
@@ -147,11 +149,11 @@ def build_with_reasoning(
         rows = tree.batch * tree.nodes
         mask = np.empty((rows, words), dtype=np.int32) if out is None else out
         mask[:] = ALL_ALLOWED
-    firsts = _first_rows(build, [grammars[b] for b in reasoning_requests], vocab_size, words)
+    frees = _free_rows(build, [grammars[b] for b in reasoning_requests], checked, vocab_size, words)
     nodes = tree.nodes
     subtrees: list[list[_SubTree]] = []
     for k, b in enumerate(reasoning_requests):
-        free = _free_row(firsts[k], checked.content_ends, words)
+        free = frees[k]
         links = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
         block = mask[b * nodes : (b + 1) * nodes]
         valid[b] = False
@@ -161,12 +163,36 @@ def build_with_reasoning(
     return (mask, valid) if return_valid else mask
 
 
-def _first_rows(build: Any, matchers: list[Any], vocab_size: int, words: int) -> np.ndarray:
-    """Each matcher's mask in its current state: ``[len(matchers), words]``."""
-    zeros = np.zeros((len(matchers), 1), dtype=np.int64)
-    single = GrammarTree.from_host(zeros - 1, zeros - 1, zeros)
-    rows = build(matchers, single, vocab_size)
-    return rows.reshape(len(matchers), words)
+# A reasoning matcher stands at its start state (it has consumed nothing of the answer), so
+# its free-text row never changes while it reasons: kept per matcher object.
+_free_row_cache: IdentityCache[tuple[frozenset[int], np.ndarray]] = IdentityCache()
+
+
+def _free_rows(
+    build: Any, matchers: list[Any], checked: _Checked, vocab_size: int, words: int
+) -> list[np.ndarray]:
+    """Each reasoning matcher's free-text row: all allowed but the content end tokens its
+    grammar refuses first (read off its first mask, one one-node build for those not cached;
+    none without content end tokens)."""
+    everything = np.full(words, ALL_ALLOWED, dtype=np.int32)
+    if not checked.content_ends:
+        return [everything] * len(matchers)
+    rows: list[np.ndarray | None] = []
+    missing = []
+    for k, matcher in enumerate(matchers):
+        cached = _free_row_cache.get(matcher)
+        hit = cached is not None and cached[0] == checked.content_ends and len(cached[1]) == words
+        rows.append(cached[1] if hit else None)  # type: ignore[index]
+        if not hit:
+            missing.append(k)
+    if missing:
+        zeros = np.zeros((len(missing), 1), dtype=np.int64)
+        single = GrammarTree.from_host(zeros - 1, zeros - 1, zeros)
+        firsts = build([matchers[k] for k in missing], single, vocab_size)
+        for k, first in zip(missing, firsts.reshape(len(missing), words), strict=True):
+            rows[k] = _free_row(first, checked.content_ends, words)
+            _free_row_cache.put(matchers[k], (checked.content_ends, rows[k]))
+    return rows  # type: ignore[return-value]
 
 
 def _free_row(first: np.ndarray, content_ends: frozenset[int], words: int) -> np.ndarray:

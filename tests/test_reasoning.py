@@ -188,3 +188,23 @@ def test_failing_matcher_below_the_end_is_named(smollm2):
             smollm2.size, reasoning=ps.Reasoning([False, True], [end]),
         )  # fmt: skip
     assert info.value.request_index == 1 and failing.depth == 0
+
+
+def test_free_row_is_read_once_per_matcher(smollm2):
+    """A reasoning matcher stands at its start state, so its free-text row is read (one fill)
+    on its first build only; without content end tokens it is never read."""
+    compiled = smollm2.grammars["builtin_json"]
+    x = smollm2.tokens.index("x")
+    tree = ps.GrammarTree.from_linear_chain(np.array([[0, x, x]]))
+    matcher = ProtocolMatcher(xgr.GrammarMatcher(compiled), vocab_size=smollm2.size)
+    with_content = ps.Reasoning([True], [], [smollm2.tokens.index("{")])
+    first = ps.build_host_bitmask([matcher], tree, smollm2.size, reasoning=with_content)
+    fills = sum(call[0] == "fill" for call in matcher.calls)
+    assert fills == 1
+    again = ps.build_host_bitmask([matcher], tree, smollm2.size, reasoning=with_content)
+    assert sum(call[0] == "fill" for call in matcher.calls) == fills  # cached
+    np.testing.assert_array_equal(first, again)
+    plain = ps.Reasoning([True], [smollm2.eos])
+    other = ProtocolMatcher(xgr.GrammarMatcher(compiled), vocab_size=smollm2.size)
+    ps.build_host_bitmask([other], tree, smollm2.size, reasoning=plain)
+    assert other.calls == []  # no end token among the drafts, no content end tokens

@@ -41,7 +41,7 @@ __all__ = [
     "walk_llguidance",
 ]
 
-_cache = IdentityCache()
+_cache: IdentityCache[MatcherInfo] = IdentityCache()
 _ENDED = "EndOfSentence"
 
 
