@@ -26,7 +26,7 @@ def test_json_record_of_a_short_run(request, capsys):
     for key in ("text", "tokens", "steps", "accepted_per_step", "mask_build_ms", "verify_ms"):
         assert key in record
     assert record["backend"] == "torch" and record["draft"] == "ngram"
-    assert record["draft_mask"] is True  # grammar-aware drafting is the default
+    assert record["draft_mask"] == "levels"  # grammar-aware drafting is the default
     assert len(record["tokens"]) == 6 == sum(record["accepted_per_step"])
     assert record["steps"] == len(record["accepted_per_step"]) == len(record["mask_build_ms"])
     drafted, valid = record["draft_nodes_per_step"], record["valid_nodes_per_step"]
@@ -65,7 +65,7 @@ def test_compare_runs_plain_and_speculative_in_one_process(request, capsys):
     plain, spec = record["plain"], record["speculative"]
     assert plain["draft"] == "none" and plain["accepted_per_step"] == [1] * 8
     assert plain["draft_nodes_per_step"] == [0] * 8
-    assert spec["draft"] == "ngram" and spec["draft_mask"] is True
+    assert spec["draft"] == "ngram" and spec["draft_mask"] == "levels"
     assert sum(spec["accepted_per_step"]) == 8 and spec["steps"] < 8
     assert spec["valid_nodes_per_step"] == spec["draft_nodes_per_step"]
     assert record["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"], 1e-3)
@@ -92,6 +92,7 @@ def test_compare_runs_plain_and_speculative_in_one_process(request, capsys):
         (["--prompt", "  "], "--prompt is empty"),
         (["--max-new-tokens", "9000"], "exceed the model's context of 8192 tokens"),
         (["--compare", "--no-spec"], "--compare compares a speculative mode"),
+        (["--root-mask-only"], "--root-mask-only is a masking mode of --draft self"),
     ],
 )
 def test_bad_input_gives_a_clear_error(capsys, argv, message):

@@ -35,8 +35,8 @@ def _prompt(tok, text):
 
 def _drafter(name, nodes, masked=True):
     if name == "ngram":
-        return NgramDrafter(nodes, masked=masked)
-    return SelfDrafter(nodes, layers=24, branch=3, masked=masked)
+        return NgramDrafter(nodes, masked=bool(masked))
+    return SelfDrafter(nodes, layers=24, branch=3, masked=bool(masked), root_only=masked == "root")
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
@@ -60,8 +60,13 @@ def test_speculative_equals_plain_decoding_float64(request, models, tok, person,
         plain = run(None)
         specs = {
             (name, masked): run(_drafter(name, 4, masked))
-            for name in ("ngram", "self")
-            for masked in (True, False)
+            for name, masked in [
+                ("ngram", True),
+                ("ngram", False),
+                ("self", True),
+                ("self", "root"),
+                ("self", False),
+            ]
         }
     assert len(plain.tokens) == SHORT and plain.accepted_per_step == [1] * SHORT
     assert tok.decode(plain.tokens).startswith('{"name": "Ada Lovelace"')
@@ -72,8 +77,10 @@ def test_speculative_equals_plain_decoding_float64(request, models, tok, person,
         assert len(spec.steps) < SHORT
         assert all(s.mask_build_ms > 0 for s in spec.steps)
         assert all(0 <= s.valid_nodes <= s.draft_nodes <= 3 for s in spec.steps)
-        if masked:  # the grammar checked every drafted node before the verify
+        if masked is True:  # the grammar checked every drafted node before the verify
             assert all(s.valid_nodes == s.draft_nodes for s in spec.steps), name
+            assert all(s.draft_mask_ms > 0 for s in spec.steps), name
+        elif masked == "root":  # the first level follows the grammar
             assert all(s.draft_mask_ms > 0 for s in spec.steps), name
         else:
             assert all(s.draft_mask_ms == 0 for s in spec.steps), name

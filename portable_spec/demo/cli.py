@@ -56,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
         "forced continuation onto n-gram drafts); the grammar only masks the verify logits",
     )
     p.add_argument(
+        "--root-mask-only",
+        action="store_true",
+        help="self drafter: mask only the first level with the root's grammar row (known "
+        "before drafting: no per-level host round trip); deeper levels are drafted blind",
+    )
+    p.add_argument(
         "--compare",
         action="store_true",
         help="also run plain constrained greedy decoding on the same prompt in this process "
@@ -108,6 +114,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--draft-layers must be between 1 and 30, got {args.draft_layers}")
     if args.branch < 1:
         raise UsageError(f"--branch must be at least 1, got {args.branch}")
+    if args.root_mask_only and (args.draft != "self" or args.no_draft_mask):
+        raise UsageError("--root-mask-only is a masking mode of --draft self")
     if args.compare and args.no_spec:
         raise UsageError(
             "--compare compares a speculative mode with plain decoding: drop --no-spec"
@@ -134,13 +142,30 @@ def _drafter(args: argparse.Namespace) -> Any:
     masked = not args.no_draft_mask
     if args.draft == "ngram":
         return NgramDrafter(args.nodes, masked=masked)
-    return SelfDrafter(args.nodes, layers=args.draft_layers, branch=args.branch, masked=masked)
+    return SelfDrafter(
+        args.nodes,
+        layers=args.draft_layers,
+        branch=args.branch,
+        masked=masked,
+        root_only=args.root_mask_only,
+    )
+
+
+def _mask_mode(drafter: Any) -> str:
+    """The JSON record's ``draft_mask``: ``"levels"``, ``"root"`` or ``"off"``."""
+    if drafter is None or not drafter.masked:
+        return "off"
+    return "root" if getattr(drafter, "root_only", False) else "levels"
 
 
 def _mode(drafter: Any) -> str:
     if drafter is None:
         return "plain greedy"
-    return f"{drafter.name} drafter, " + ("grammar-aware" if drafter.masked else "blind")
+    if not drafter.masked:
+        return f"{drafter.name} drafter, blind"
+    if getattr(drafter, "root_only", False):
+        return f"{drafter.name} drafter, root-only mask"
+    return f"{drafter.name} drafter, grammar-aware"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
                 g,
                 t,
                 draft=m.name if m else "none",
-                draft_mask=bool(m and m.masked),
+                draft_mask=_mask_mode(m),
                 valid=v,
                 validation=d,
                 **common,

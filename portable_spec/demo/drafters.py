@@ -307,11 +307,23 @@ class SelfDrafter:
     picks the ``branch`` best finite candidates and hands them to the session, which returns
     the next level's rows. The last level's rows are only needed by the verify mask: that
     level is added with ``masks=False`` and computed while the verify forward runs.
+
+    Root-only (``root_only``): the device expansion of the blind drafter with the root's row
+    (known before drafting) applied to the first level's logits: no host round trip, deeper
+    levels drafted blind, the verify mask built over the finished tree.
     """
 
     name = "self"
 
-    def __init__(self, nodes: int, *, layers: int = 24, branch: int = 3, masked: bool = True):
+    def __init__(
+        self,
+        nodes: int,
+        *,
+        layers: int = 24,
+        branch: int = 3,
+        masked: bool = True,
+        root_only: bool = False,
+    ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
         if branch < 1:
@@ -320,19 +332,30 @@ class SelfDrafter:
         self.layers = layers
         self.branch = branch
         self.masked = masked
+        self.root_only = root_only
 
     def draft(
         self, model: Any, context: Sequence[int], start: int, grammar: GrammarContext | None = None
     ) -> Draft:
         """Blind: launch the device expansion, returns device arrays without blocking.
         Grammar-aware: a host loop over levels (one device round trip each)."""
+        root_mask, grammar_ms = None, 0.0
         if grammar is not None and self.masked and self.nodes > 1:
-            return self._grammar_draft(model, context, start, grammar)
+            if not self.root_only:
+                return self._grammar_draft(model, context, start, grammar)
+            with DraftSession([grammar.matcher], grammar.vocab_size, device=grammar.device) as s:
+                root_mask = s.root_mask()
+                grammar_ms = _session_ms(s)
         out = model.draft_tree(
-            int(context[-1]), start, nodes=self.nodes, branch=self.branch, layers=self.layers
+            int(context[-1]),
+            start,
+            nodes=self.nodes,
+            branch=self.branch,
+            layers=self.layers,
+            root_mask=root_mask,
         )
         tree = GrammarTree.from_device(out["next_token"], out["next_sibling"], out["tokens"])
-        return Draft(tree, out["tokens"], out["positions"], out["tree_mask"])
+        return Draft(tree, out["tokens"], out["positions"], out["tree_mask"], grammar_ms=grammar_ms)
 
     def _grammar_draft(
         self, model: Any, context: Sequence[int], start: int, grammar: GrammarContext

@@ -241,6 +241,7 @@ def _draft_tree(
     nodes: int,
     branch: int,
     n_layers: int,
+    root_mask: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Grow a ``nodes``-node tree from ``root`` with the first ``n_layers`` layers + the head.
 
@@ -248,6 +249,8 @@ def _draft_tree(
     model (attending to the cache and to its ancestors' shallow keys), each proposes its top
     ``branch`` tokens, and the ``branch`` candidates with the highest cumulative
     log-probability become the next frontier. Node ids follow creation order (parents first).
+    ``root_mask`` (int32 ``[1, words]``, optional): the root's grammar row, applied to the
+    first level's logits only (root-only masking: no host round trip).
     """
     dt = params["embed"].dtype
     tokens = jnp.zeros((nodes,), jnp.int32).at[0].set(root.astype(jnp.int32))
@@ -276,7 +279,10 @@ def _draft_tree(
             cfg,
             n_layers,
         )
-        logp = jax.nn.log_softmax(_head(params, x, cfg), axis=-1)  # [F, V]
+        logits = _head(params, x, cfg)
+        if added == 1 and root_mask is not None:
+            logits = apply_vocab_mask(logits, root_mask)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [F, V]
         top_lp, top_tok = jax.lax.top_k(logp, branch)  # [F, branch]
         cand = (score[f][:, None] + top_lp).reshape(-1)
         take = min(branch, nodes - added, cand.shape[0])
@@ -438,7 +444,14 @@ class JaxLlama:
         )
 
     def draft_tree(
-        self, root: int, start: int, *, nodes: int, branch: int, layers: int
+        self,
+        root: int,
+        start: int,
+        *,
+        nodes: int,
+        branch: int,
+        layers: int,
+        root_mask: Any = None,
     ) -> dict[str, jax.Array]:
         """Self-speculative draft tree, built on the device without blocking.
 
@@ -447,6 +460,8 @@ class JaxLlama:
             start: its position (= committed tokens in the cache).
             nodes: tree size ``N``; branch: children proposed per frontier node (top-k);
             layers: how many of the first layers the drafter runs before the head.
+            root_mask: optional int32 ``[1, words]`` grammar row of the root, applied to the
+                first level's logits (root-only masking).
 
         Returns:
             ``jax.Array`` s: ``next_token``, ``next_sibling``, ``tokens`` (int32 ``[N]``),
@@ -464,6 +479,7 @@ class JaxLlama:
             nodes,
             branch,
             layers,
+            root_mask,
         )
 
     def draft_start(self, *, slots: int, layers: int) -> dict[str, jax.Array]:

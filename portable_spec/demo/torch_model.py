@@ -266,13 +266,22 @@ class TorchLlama:
         self._commit(launch.tree_k, launch.tree_v, src, dst)
 
     def draft_tree(
-        self, root: int, start: int, *, nodes: int, branch: int, layers: int
+        self,
+        root: int,
+        start: int,
+        *,
+        nodes: int,
+        branch: int,
+        layers: int,
+        root_mask: Any = None,
     ) -> dict[str, torch.Tensor]:
         """Self-speculative draft tree from the first ``layers`` layers plus the head.
 
         Same algorithm and outputs as ``JaxLlama.draft_tree``: level by level, each frontier
         node proposes its top ``branch`` tokens and the ``branch`` candidates with the best
         cumulative log-probability become the next frontier; node ids follow creation order.
+        ``root_mask`` (int32 ``[1, words]``, optional): the root's grammar row, applied to the
+        first level's logits only.
 
         Returns:
             tensors on the model's device: ``next_token``, ``next_sibling``, ``tokens`` (int32
@@ -307,7 +316,10 @@ class TorchLlama:
                     anc[frontier],
                     layers,
                 )
-                logp = torch.log_softmax(self._head(x), dim=-1)
+                logits = self._head(x)
+                if added == 1 and root_mask is not None:
+                    apply_vocab_mask(logits, root_mask)
+                logp = torch.log_softmax(logits, dim=-1)
                 top_lp, top_tok = torch.topk(logp, branch, dim=-1)
                 cand = (score[frontier][:, None] + top_lp).reshape(-1)
                 take = min(branch, nodes - added, cand.shape[0])
