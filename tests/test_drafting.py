@@ -138,11 +138,12 @@ def prints(matchers, words):
     return out
 
 
-def run_levels(session, levels):
-    """Submit every level; returns each level's host rows."""
+def run_levels(session, levels, lazy=()):
+    """Submit every level (those whose index is in ``lazy`` with ``masks=False``); returns
+    each level's host rows (None for lazy ones)."""
     got = []
-    for P, T, _ in levels:
-        rows = session.extend(P, T)
+    for i, (P, T, _) in enumerate(levels):
+        rows = session.extend(P, T, masks=i not in lazy)
         got.append(None if rows is None else np.asarray(rows))
     return got
 
@@ -162,6 +163,13 @@ class ForkingProtocolMatcher(ProtocolMatcher):
         )
         self.forks.append(weakref.ref(child))
         return child
+
+    def find_jump_forward_tokens(self):
+        return self.inner.find_jump_forward_tokens()
+
+
+class JumpingProtocolMatcher(ProtocolMatcher):
+    """A protocol matcher without fork() that knows its forced continuation."""
 
     def find_jump_forward_tokens(self):
         return self.inner.find_jump_forward_tokens()
@@ -195,8 +203,11 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
             np.testing.assert_array_equal(root, want.reshape(batch, nodes, -1)[:, 0])
         else:
             assert root is None
-        for (P, _T, where), rows in zip(levels, run_levels(s, levels), strict=True):
-            if not constrained:
+        lazy = {i for i in range(len(levels)) if data.draw(st.booleans(), label="masks=False")}
+        for i, ((P, _T, where), rows) in enumerate(
+            zip(levels, run_levels(s, levels, lazy), strict=True)
+        ):
+            if i in lazy or not constrained:
                 assert rows is None
                 continue
             k = P.shape[1]
@@ -207,6 +218,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
                         expect[b * k + j] = want[b * nodes + v]
             np.testing.assert_array_equal(rows, expect)
         assert prints(case.matchers, words) == before  # nothing moved while drafting
+        assert s.nodes == 1 + sum(level[0].shape[1] for level in levels)
         mask = s.verify_mask(select)
         tree = s.verify_tree(select)
         valid = s.valid(select)
@@ -505,6 +517,11 @@ def test_forced_chains_are_the_grammars(smollm2, tok):
         fork = m.fork()
         fork.accept_token(root[0])
         assert s.forced([1]) == [fork.find_jump_forward_tokens()]
+        # a protocol matcher that can jump forward but not fork is replayed to the node
+        replayed = JumpingProtocolMatcher(xgr.GrammarMatcher(compact))
+        with ps.DraftSession([replayed], smollm2.size) as r:
+            r.extend([[0]], [[root[0]]])
+            assert r.forced([1]) == s.forced([1]) and replayed.depth == 0
         # grafted onto a host tree: shared where the tree already has it
         parents, tokens = s.tree()
         p, t, chain = ps.graft_chain(parents[0], tokens[0], root, at=0)
