@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec.api import _arrange, _check_capacity, _check_layout
-from portable_spec.backend import Backend
+from portable_spec.backend import Backend, MaskLayout
 from portable_spec.builder import ALL_ALLOWED, PARALLEL_MIN_NODES, check_vocab_size
 from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates, node_states
 from portable_spec.errors import MatcherError
@@ -370,7 +370,9 @@ class DraftSession:
         without blocking.
         """
         self._check_open()
-        return self._deliver(self._rows[:, :1], row_capacity, draft=True)
+        return self._deliver(
+            self._rows[:, :1], self._layout(1, row_capacity, draft=True), draft=True
+        )
 
     def extend(
         self, parents: Any, tokens: Any, *, masks: bool = True, row_capacity: int | None = None
@@ -419,10 +421,11 @@ class DraftSession:
             self._nodes += k
             self._levels += 1
             return None
+        layout = self._layout(k, row_capacity, draft=True)  # refused before anything moves
         self._flush()
         first = self._nodes
         self._add_level(first, staged)
-        return self._deliver(self._rows[:, first : first + k], row_capacity, draft=True)
+        return self._deliver(self._rows[:, first : first + k], layout, draft=True)
 
     def _flush(self) -> None:
         """Compute the rows of levels added with ``masks=False``."""
@@ -633,6 +636,7 @@ class DraftSession:
         self._flush()
         sel = self._selection(select)
         batch, m = sel.shape
+        layout = self._layout(m, row_capacity, draft=False)
         t0 = time.perf_counter()
         index = (np.arange(batch)[:, None] * self._capacity + np.where(sel >= 0, sel, 0)).ravel()
         padding = (sel < 0).ravel()
@@ -644,7 +648,7 @@ class DraftSession:
                 out[padding] = ALL_ALLOWED
 
         self.timings["grammar_s"] += time.perf_counter() - t0
-        return self._deliver_fill(fill, m, row_capacity, self.words, self.vocab_size)
+        return self._upload(fill, layout, self.words)
 
     def verify_tree(self, select: Any = None) -> GrammarTree:
         """The verify tree of a selection (see :meth:`verify_mask`) as a host
@@ -728,7 +732,19 @@ class DraftSession:
         return out
 
     # -- upload ------------------------------------------------------------------------------------
-    def _deliver(self, block: np.ndarray, row_capacity: int | None, *, draft: bool) -> Any:
+    def _layout(self, nodes: int, row_capacity: int | None, *, draft: bool) -> MaskLayout | None:
+        """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
+        request has a grammar). Raises before anything is computed."""
+        vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
+        rows = self.batch * nodes
+        capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
+        layout = self._backend.mask_layout(self._placement, self.batch, nodes, vocab, capacity)
+        _check_layout(layout, rows, self._backend)
+        if not self._constrained and capacity is None and not layout.collective:
+            return None
+        return layout
+
+    def _deliver(self, block: np.ndarray, layout: MaskLayout | None, *, draft: bool) -> Any:
         """Upload ``block`` (``[batch, k, words]`` target rows), converted to the draft
         vocabulary when the session has one and ``draft``."""
         batch, k, _ = block.shape
@@ -738,33 +754,25 @@ class DraftSession:
             def fill(out: np.ndarray) -> None:
                 vocab.convert(block.reshape(batch * k, self.words), out)
 
-            return self._deliver_fill(fill, k, row_capacity, vocab.words, vocab.size)
+            return self._upload(fill, layout, vocab.words)
 
         def copy(out: np.ndarray) -> None:
             out.reshape(batch, k, self.words)[...] = block
 
-        return self._deliver_fill(copy, k, row_capacity, self.words, self.vocab_size)
+        return self._upload(copy, layout, self.words)
 
-    def _deliver_fill(
-        self,
-        fill: Callable[[np.ndarray], None],
-        nodes: int,
-        row_capacity: int | None,
-        words: int,
-        vocab: int,
+    def _upload(
+        self, fill: Callable[[np.ndarray], None], layout: MaskLayout | None, words: int
     ) -> Any:
+        if layout is None:
+            return None
         t0 = time.perf_counter()
         backend = self._backend
-        rows = self.batch * nodes
-        capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-        layout = backend.mask_layout(self._placement, self.batch, nodes, vocab, capacity)
-        _check_layout(layout, rows, backend)
-        if not self._constrained and capacity is None and not layout.collective:
-            return None
+        built = sum(count for _, count, _ in layout.blocks)
         buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
         try:
             if self._constrained:
-                fill(buffer.array[:rows])
+                fill(buffer.array[:built])
                 _arrange(buffer.array, layout.blocks)
             else:
                 buffer.array.fill(ALL_ALLOWED)

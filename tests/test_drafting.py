@@ -698,3 +698,15 @@ def test_end_tokens_terminate_their_node(smollm2, tok, kind):
     assert (below == -1).all()
     want = ps.build_grammar_vocab_mask([xgr.GrammarMatcher(grammar)], tree, smollm2.size)
     np.testing.assert_array_equal(mask, want)
+
+
+def test_a_bad_row_capacity_is_refused_before_the_level_is_added(smollm2):
+    m = ProtocolMatcher(xgr.GrammarMatcher(smollm2.grammars["json_schema"]))
+    with ps.DraftSession([m, None], smollm2.size) as s:
+        with pytest.raises(ValueError, match="row_capacity"):
+            s.extend([[0, 0], [0, 0]], [[107, 18], [1, 2]], row_capacity=3)
+        assert s.nodes == 1 and not m.calls[1:]  # only the root's fill
+        rows = s.extend([[0, 0], [0, 0]], [[107, 18], [1, 2]], row_capacity=5)
+        assert rows.shape == (5, smollm2.words) and (rows[4] == -1).all()
+        with pytest.raises(ValueError, match="row_capacity"):
+            s.root_mask(row_capacity=1)

@@ -47,6 +47,7 @@ BENCH_SCHEMAS: dict[str, tuple[dict[str, Any] | None, str | None]] = {
                         "type": "string",
                         "enum": ["fiction", "science", "history", "poetry", "biography"],
                     },
+                    "maxItems": 3,
                 },
                 "in_print": {"type": "boolean"},
             },
@@ -82,8 +83,9 @@ BENCH_SCHEMAS: dict[str, tuple[dict[str, Any] | None, str | None]] = {
             },
             "required": ["order_id", "customer", "items", "shipping", "paid"],
         },
-        "Give a JSON object for this order. Order 4521 by Grace Hopper (grace@navy.mil): 2 x "
-        "SKU A-100 at 9.99, 1 x SKU B-7 at 24.50. Express shipping, already paid.",
+        "Give a JSON object for this order. Order id: 4521. Customer name: Grace Hopper. "
+        "Customer email: grace@navy.mil. Items: 2 of SKU A-100 at 9.99 each, 1 of SKU B-7 at "
+        "24.50. Shipping: express. Paid: true.",
     ),
 }
 

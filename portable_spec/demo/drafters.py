@@ -370,10 +370,17 @@ class SelfDrafter:
             state = model.draft_start(slots=nodes + 1, layers=layers)  # slot `nodes`: scratch
             parents, tokens, depth, score = [-1], [int(context[-1])], [0], [0.0]
             anc = np.eye(nodes + 1, dtype=bool)
-            rows = session.root_mask(row_capacity=branch)  # padded rows: all-allowed
+            # A jitted model compiles once per frontier size: pad the frontier to 1 or
+            # `branch` rows (padding rows: scratch slot, all-allowed mask rows).
+            static = getattr(model, "static_shapes", False)
+
+            def width(count: int) -> int:
+                return count if not static or count == 1 else branch
+
             frontier = [0]
+            rows = session.root_mask(row_capacity=width(1))
             while len(parents) < nodes:
-                pad = branch - len(frontier)
+                pad = width(len(frontier)) - len(frontier)
                 slots = frontier + [nodes] * pad
                 lp, top = model.draft_level(
                     state,
@@ -406,7 +413,7 @@ class SelfDrafter:
                     new_tokens.append(t)
                 last = len(parents) >= nodes
                 rows = session.extend(
-                    [new_parents], [new_tokens], masks=not last, row_capacity=branch
+                    [new_parents], [new_tokens], masks=not last, row_capacity=width(len(order))
                 )
                 frontier = list(range(first, len(parents)))
             next_token, next_sibling, toks, positions, mask = host_tree_arrays(

@@ -343,6 +343,8 @@ class JaxLlama:
     """
 
     framework = "jax"
+    #: jitted: every distinct input shape compiles (drafters pad to few shapes)
+    static_shapes = True
 
     def __init__(self, weights: LlamaWeights, *, max_len: int, device: Any = None) -> None:
         self.config = weights.config

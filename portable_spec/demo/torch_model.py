@@ -115,6 +115,8 @@ class TorchLlama:
     """
 
     framework = "torch"
+    #: eager: any input shape runs as it is
+    static_shapes = False
 
     def __init__(self, weights: LlamaWeights, *, max_len: int, device: Any = None) -> None:
         self.config = weights.config
