@@ -626,7 +626,7 @@ def _session_device(target):
     return {"device": probe.sharding}
 
 
-def test_every_backend(target, smollm2, tok):
+def test_every_backend(target, smollm2):
     """Rows of levels given as the target's arrays come back on the target's device (a
     batch-sharded placement splits them by request) with the host session's bits."""
     grammars = ["json_schema", None, "regex", "builtin_json", "json_schema", "ebnf", None, "regex"]
