@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from numbers import Integral
 from time import perf_counter
 from typing import Any
@@ -40,6 +41,8 @@ def build_grammar_vocab_mask(
     layout: str = "dense",
     max_rows: int | None = None,
     wait: bool = True,
+    reasoning: Any = None,
+    return_valid: bool = False,
 ) -> Any:
     """Build the batch's grammar bitmask on the host and start its upload to ``device``.
 
@@ -80,6 +83,10 @@ def build_grammar_vocab_mask(
             over any of them is refused with ``ValueError`` meanwhile. The upload behaves as
             if made by the caller at call time (torch: the stream current on the calling
             thread is the one made to wait for it; JAX: the caller's default device).
+        reasoning: a :class:`portable_spec.Reasoning` for reasoning models, as for
+            :func:`build_host_bitmask` (dense layout only).
+        return_valid: also return which nodes the grammars accept: a host (numpy) bool
+            ``[batch, nodes]`` array, as for :func:`build_host_bitmask`.
 
     Returns:
         The backend's int32 ``[rows, ceil(vocab / 32)]`` array, ``rows`` being
@@ -91,7 +98,8 @@ def build_grammar_vocab_mask(
         sampler sees one signature and every process runs the same program. With
         ``layout="compact"``, a ``CompactMask`` of the backend's arrays instead (an empty one,
         or ``max_rows`` padding entries, rather than ``None`` when ``row_capacity`` or
-        ``max_rows`` is given). With ``wait=False``, a ``PendingMask`` of that result.
+        ``max_rows`` is given). With ``wait=False``, a ``PendingMask`` of that result. With
+        ``return_valid=True``: ``(mask, valid)``.
 
     Raises:
         TypeError, ValueError: bad grammars, tree, vocabulary size, ``row_capacity``, layout or
@@ -120,9 +128,12 @@ def build_grammar_vocab_mask(
     _check_layout(mask_layout, rows, backend)
     if layout == "compact":
         _check_compact(backend, mask_layout)
-    args = (grammars, tree, vocab_size, backend, mask_layout, words, capacity)
+        if reasoning is not None:
+            raise ValueError("reasoning= builds dense masks only; use layout='dense'")
+    options = _Options(layout, max_rows, reasoning, return_valid)
+    args = (grammars, tree, vocab_size, backend, mask_layout, words, capacity, options)
     if wait:
-        mask, upload_seconds = _build_and_upload(*args, layout, max_rows)
+        mask, upload_seconds = _build_and_upload(*args)
         record_upload(upload_seconds, perf_counter() - started)
         return mask
     if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
@@ -131,7 +142,7 @@ def build_grammar_vocab_mask(
         )
 
     def build() -> Any:
-        mask, upload_seconds = _build_and_upload(*args, layout, max_rows)
+        mask, upload_seconds = _build_and_upload(*args)
         record_upload(upload_seconds, 0.0)
         return mask
 
@@ -139,6 +150,14 @@ def build_grammar_vocab_mask(
     handle = start_pending(list(grammars), build, context, submit)
     record_upload(0.0, perf_counter() - started)
     return handle
+
+
+@dataclass(frozen=True)
+class _Options:
+    layout: str
+    max_rows: int | None
+    reasoning: Any
+    return_valid: bool
 
 
 def _build_and_upload(
@@ -149,22 +168,32 @@ def _build_and_upload(
     mask_layout: MaskLayout,
     words: int,
     capacity: int | None,
-    layout: str,
-    max_rows: int | None,
+    options: _Options,
 ) -> tuple[Any, float]:
-    """Build into a pooled host buffer and start the upload; ``(mask, upload seconds)``."""
+    """Build into a pooled host buffer and start the upload; ``(result, upload seconds)``,
+    the result being the mask, or ``(mask, valid)`` with ``return_valid``."""
     rows = tree.batch * tree.nodes
     always = capacity is not None or mask_layout.collective
-    if layout == "compact":
+    if options.layout == "compact":
         return _build_compact(
-            grammars, tree, vocab_size, backend, mask_layout, words, always, max_rows
+            grammars, tree, vocab_size, backend, mask_layout, words, always, options
         )
     buffer = backend.acquire_host_mask(mask_layout.host_rows, words, mask_layout.placement)
+    valid = None
     try:
-        mask = build_host_bitmask(grammars, tree, vocab_size, out=buffer.array[:rows])
+        mask = build_host_bitmask(
+            grammars,
+            tree,
+            vocab_size,
+            out=buffer.array[:rows],
+            reasoning=options.reasoning,
+            return_valid=options.return_valid,
+        )
+        if options.return_valid:
+            mask, valid = mask
         if mask is None and not always:
             backend.release_host_mask(buffer)
-            return None, 0.0
+            return _with(None, valid, options), 0.0
         if mask is None:
             buffer.array.fill(ALL_ALLOWED)
         else:
@@ -174,7 +203,11 @@ def _build_and_upload(
         raise
     uploading = perf_counter()
     uploaded = backend.upload(buffer, mask_layout.placement)
-    return uploaded, perf_counter() - uploading
+    return _with(uploaded, valid, options), perf_counter() - uploading
+
+
+def _with(mask: Any, valid: np.ndarray | None, options: _Options) -> Any:
+    return (mask, valid) if options.return_valid else mask
 
 
 def _build_compact(
@@ -185,10 +218,11 @@ def _build_compact(
     mask_layout: MaskLayout,
     words: int,
     always: bool,
-    max_rows: int | None,
+    options: _Options,
 ) -> tuple[Any, float]:
     """The compact layout of :func:`_build_and_upload`: one pooled block holds the bits and
     the row index; only the listed rows are written."""
+    max_rows = options.max_rows
     rows = tree.batch * tree.nodes
     num_rows = mask_layout.host_rows
     entries = rows if max_rows is None else max_rows
@@ -203,10 +237,14 @@ def _build_compact(
             out=CompactMask(index, bits, rows),
             layout="compact",
             max_rows=max_rows,
+            return_valid=options.return_valid,
         )
+        valid = None
+        if options.return_valid:
+            host, valid = host
         if host is None and not always and max_rows is None:
             backend.release_host_mask(buffer)
-            return None, 0.0
+            return _with(None, valid, options), 0.0
         count = 0 if host is None else host.count
         size = (0 if max_rows is None else max_rows) if host is None else host.capacity
         _move_rows(index[:count], mask_layout.blocks)  # type: ignore[misc]
@@ -217,7 +255,7 @@ def _build_compact(
         raise
     uploading = perf_counter()
     uploaded = backend.upload_compact(buffer, mask, mask_layout.placement)
-    return uploaded, perf_counter() - uploading
+    return _with(uploaded, valid, options), perf_counter() - uploading
 
 
 def _check_compact(backend: Backend, mask_layout: MaskLayout) -> None:

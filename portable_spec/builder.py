@@ -125,6 +125,8 @@ def build_host_bitmask(
     out: Any = None,
     layout: str = "dense",
     max_rows: int | None = None,
+    reasoning: Any = None,
+    return_valid: bool = False,
 ) -> Any:
     """Build the grammar bitmask of every node of every request's verify tree, on the host.
 
@@ -148,6 +150,11 @@ def build_host_bitmask(
             padding entries whose row is ``batch * nodes`` and whose bits are not written), so
             its shape does not change from step to step. ``ValueError`` if the build lists
             more (raised after the walks, every matcher back in its state).
+        reasoning: a :class:`portable_spec.Reasoning`: requests still reasoning at the root
+            get their grammar only below the node that ends the reasoning, per path (rows
+            before it allow everything but the content end tokens the grammar refuses first).
+            Dense layout only (``ValueError`` with ``layout="compact"``).
+        return_valid: also return which nodes the grammars (and the reasoning rule) accept.
 
     Returns:
         ``None`` when the batch is empty or no request has a grammar (``out`` untouched).
@@ -161,6 +168,12 @@ def build_host_bitmask(
         subtrees, terminated nodes, and nodes no link reaches. With ``layout="compact"``, a
         host :class:`CompactMask` of those rows (``None`` as above); expanded with
         ``to_dense()`` it equals the dense mask.
+
+        With ``return_valid=True``: ``(mask, valid)``, ``valid`` a bool ``[batch, nodes]``
+        array, True for the accepted nodes by the rule above (terminated ones included; every
+        node a link reaches for unconstrained requests; never for unreached padding). An
+        engine truncates its drafts to the valid prefix with it (no separate validation pass).
+        ``(None, valid)`` when no request has a grammar.
 
     Raises:
         TypeError, ValueError: malformed tree, grammars, ``vocab_size`` or ``out``; raised
@@ -177,16 +190,38 @@ def build_host_bitmask(
     vocab_size = check_vocab_size(vocab_size)
     max_rows = check_layout(layout, max_rows)
     batch, nodes = tree.batch, tree.nodes
+    if reasoning is not None:
+        from portable_spec.reasoning import build_with_reasoning
+
+        if layout != "dense":
+            raise ValueError("reasoning= builds dense masks only; use layout='dense'")
+        words = words_for(vocab_size)
+        if out is not None:
+            _check_out(out, batch * nodes, words)
+        return build_with_reasoning(
+            build_host_bitmask, grammars, tree, vocab_size, words, reasoning, out, return_valid
+        )
     kinds, infos = classify_grammars(grammars, batch, vocab_size)
     check_not_pending(grammars)
     constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
     if not constrained:
+        if return_valid:
+            tree.validate()
+            return None, tree.topology().reachable.reshape(batch, nodes).copy()
         return None
     if layout == "compact":
         from portable_spec.compact import build_compact_bitmask
 
         return build_compact_bitmask(
-            grammars, tree, vocab_size, kinds, infos, constrained, out=out, max_rows=max_rows
+            grammars,
+            tree,
+            vocab_size,
+            kinds,
+            infos,
+            constrained,
+            out=out,
+            max_rows=max_rows,
+            return_valid=return_valid,
         )
     words = words_for(vocab_size)
     rows = batch * nodes
@@ -199,6 +234,8 @@ def build_host_bitmask(
     root_ok = np.ones(batch, dtype=bool)
     # per request: draft nodes checked against the grammar, and those it refused
     counts = np.zeros((batch, 2), dtype=np.int64)
+    # rows of accepted, non-terminated nodes (only when asked: return_valid)
+    live = np.zeros(rows, dtype=bool) if return_valid else None
     splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
     jobs, owners = _make_jobs(
         grammars,
@@ -211,6 +248,7 @@ def build_host_bitmask(
         splits,
         vocab_size,
         tree.is_chain,
+        live,
     )
     seconds = [0.0] * len(jobs)
 
@@ -236,6 +274,9 @@ def build_host_bitmask(
         topology = tree.topology()
         rewrite = _rewrite_small if topology.small else _rewrite_large
         rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, pending, counts)
+    valid = None
+    if live is not None:
+        valid = _valid_nodes(mask, tree, draft, kinds, infos, root_ok, vocab_size, live)
     per_request = dict.fromkeys(constrained, 0.0)
     for owner, spent in zip(owners, seconds, strict=True):
         if owner in per_request:
@@ -249,7 +290,7 @@ def build_host_bitmask(
         checked_nodes=checked,
         rejected_nodes=rejected,
     )
-    return mask
+    return mask if valid is None else (mask, valid)
 
 
 def _make_jobs(
@@ -263,6 +304,7 @@ def _make_jobs(
     splits: dict[int, tuple[Split, list[Any]]],
     vocab_size: int,
     chains: bool,
+    live: np.ndarray | None,
 ) -> tuple[list[Callable[[], None]], list[int]]:
     """One job per request (several for a split request), one job for all requests walked in
     Python, one per llguidance width for chains; and the (first) request of each job.
@@ -278,7 +320,9 @@ def _make_jobs(
     if chains and llguidance:  # llguidance's executor fills chains in parallel itself
         for width in sorted({infos[b].words for b in llguidance}):  # type: ignore[union-attr]
             group = {b: grammars[b] for b in llguidance if infos[b].words == width}  # type: ignore[union-attr]
-            job = partial(fill_llguidance_chains, group, width, draft, mask, vocab_size, counts)
+            job = partial(
+                fill_llguidance_chains, group, width, draft, mask, vocab_size, counts, live=live
+            )
             jobs.append(partial(_llguidance_chain_job, job, group))
             owners.append(next(iter(group)))
     for b, kind in enumerate(kinds):
@@ -295,6 +339,8 @@ def _make_jobs(
                 _check_depth(b, lists[0], lists[1], info)
             walk = _PYTHON_WALKS[kind]
             job = partial(_walk_job, walk, grammars[b], lists, block, info, limit, counts[b])
+            if live is not None:
+                job = partial(job, live=live[b * nodes : (b + 1) * nodes])
             walks.append((b, job))
             continue
         elif b not in splits:
@@ -302,7 +348,7 @@ def _make_jobs(
             if compiled.native is not None:
                 limit = min(vocab_size, info.vocab_size)
                 job = partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit)
-                jobs.append(partial(job, counts[b]))
+                jobs.append(partial(job, counts[b], root_ok, b))
             else:
                 job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None)
                 jobs.append(job)
@@ -357,12 +403,14 @@ def _xgrammar_repaired_job(
     info: MatcherInfo,
     limit: int,
     counts: np.ndarray,
+    root_ok: np.ndarray,
+    b: int,
 ) -> None:
     """Walk one request with xgrammar's C++ traversal, then repair its rows in place with the
     compiled helper (both release the GIL); store its (checked, refused) node counts."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
-    live = walk_xgrammar(matcher, *links, target)
+    live = root_ok[b] = walk_xgrammar(matcher, *links, target)
     if target is not block:
         _copy_rows(block, target, info.words, None)
     repair = compiled.native.repair_rows  # type: ignore[union-attr]
@@ -437,12 +485,15 @@ def _walk_job(
     info: MatcherInfo,
     limit: int,
     counts: np.ndarray,
+    live: np.ndarray | None = None,
 ) -> None:
     """Walk one request with a Python walk (protocol matchers, llguidance trees, outlines-core
-    guides); rows it does not fill become -1."""
+    guides); rows it does not fill become -1; ``live`` (its rows) marks the filled ones."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
     filled, counts[0], counts[1] = walk(matcher, *lists, target, limit)
+    if live is not None:
+        live[:] = filled
     if target is not block:
         _copy_rows(block, target, info.words, None)
     if info.vocab_size % 32:
@@ -501,8 +552,10 @@ def _rewrite_small(
     vocab_size: int,
     requests: list[int],
     counts: np.ndarray,
-) -> None:
-    """List version for small trees: parents come before children in ``topology.orders``."""
+    write: bool = True,
+) -> np.ndarray:
+    """List version for small trees: parents come before children in ``topology.orders``.
+    Returns which rows (of ``requests``) keep a grammar row; ``write=False`` only says so."""
     nodes = topology.nodes
     words = mask.shape[1]
     flat = mask.reshape(-1)
@@ -510,6 +563,7 @@ def _rewrite_small(
     assert orders is not None and parents is not None
     tokens = draft.tolist()
     rewrite: list[int] = []
+    kept = np.zeros(mask.shape[0], dtype=bool)
     for b in requests:
         base = b * nodes
         keep = [False] * nodes
@@ -535,8 +589,10 @@ def _rewrite_small(
                         rejected += 1
             counts[b] = checked, rejected
         rewrite.extend(base + v for v in range(nodes) if not keep[v])
-    if rewrite:
+        kept[base : base + nodes] = keep
+    if rewrite and write:
         mask[rewrite] = ALL_ALLOWED
+    return kept
 
 
 def _rewrite_large(
@@ -549,9 +605,11 @@ def _rewrite_large(
     vocab_size: int,
     requests: list[int],
     counts: np.ndarray,
-) -> None:
+    write: bool = True,
+) -> np.ndarray:
     """Vectorized version: the local test for every node at once, then ANDed down root
-    paths by pointer jumping (``topology.ancestor_jumps``)."""
+    paths by pointer jumping (``topology.ancestor_jumps``). Returns which rows (of
+    ``requests``) keep a grammar row; ``write=False`` only says so."""
     batch, nodes = topology.batch, topology.nodes
     total = batch * nodes
     words = mask.shape[1]
@@ -607,5 +665,45 @@ def _rewrite_large(
 
     is_xgrammar = np.repeat(np.asarray(kinds) == XGRAMMAR, nodes)
     rewrite = np.flatnonzero(~local & is_xgrammar)
-    if rewrite.size:
+    if rewrite.size and write:
         mask[rewrite] = ALL_ALLOWED
+    return local & is_xgrammar
+
+
+def _valid_nodes(
+    mask: np.ndarray,
+    tree: GrammarTree,
+    draft: np.ndarray,
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    root_ok: np.ndarray,
+    vocab_size: int,
+    live: np.ndarray,
+) -> np.ndarray:
+    """bool ``[batch, nodes]``: the accepted nodes. ``live`` marks the accepted,
+    non-terminated nodes of the Python walks and llguidance chains; xgrammar's are read off
+    the finished rows by the repair rule (kept rows are untouched by the repair). A node is
+    accepted when it is a root, or its parent is live, its token in range and allowed by the
+    parent's row; unconstrained requests accept every node a link reaches."""
+    batch, nodes = tree.batch, tree.nodes
+    topology = tree.topology()
+    xgrammar = [b for b, kind in enumerate(kinds) if kind == XGRAMMAR]
+    if xgrammar:
+        rewrite = _rewrite_small if topology.small else _rewrite_large
+        scratch = np.zeros((batch, 2), dtype=np.int64)
+        kept = rewrite(
+            mask, topology, draft, kinds, infos, root_ok, vocab_size, xgrammar, scratch, False
+        )
+        rows = (np.asarray(xgrammar)[:, None] * nodes + np.arange(nodes)).ravel()
+        live[rows] = kept[rows]
+    parent = topology.parent
+    tokens = draft.reshape(-1)
+    has_parent = parent >= 0
+    safe = np.where((tokens >= 0) & (tokens < vocab_size), tokens, 0)
+    word = mask[np.where(has_parent, parent, 0), safe >> 5]
+    allowed = ((word >> (safe & 31)) & 1).astype(bool) & (tokens >= 0) & (tokens < vocab_size)
+    valid = has_parent & live[np.where(has_parent, parent, 0)] & allowed
+    valid[::nodes] = True
+    unconstrained = np.repeat(np.asarray(kinds) == NONE, nodes)
+    valid[unconstrained] = topology.reachable[unconstrained]
+    return valid.reshape(batch, nodes)

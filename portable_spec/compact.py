@@ -378,13 +378,15 @@ def build_compact_bitmask(
     *,
     out: CompactMask | None,
     max_rows: int | None,
-) -> CompactMask:
+    return_valid: bool = False,
+) -> Any:
     """The compact layout of :func:`portable_spec.build_host_bitmask` (called by it after the
     grammars were classified and at least one request is constrained).
 
     Returns a host :class:`CompactMask` (views of ``out``'s arrays if given): ``count`` real
     entries (``rows`` ascending, ``b * nodes + j``), then, with ``max_rows``, padding up to
-    ``max_rows`` entries (row index ``batch * nodes``, bits not written).
+    ``max_rows`` entries (row index ``batch * nodes``, bits not written). With
+    ``return_valid``, ``(mask, valid)`` as for the dense layout.
 
     Raises:
         ValueError: ``out`` too small or malformed (before any matcher moves); more than
@@ -468,7 +470,43 @@ def build_compact_bitmask(
             f"requests) but max_rows = {max_rows}; raise max_rows (at most batch * nodes = "
             f"{num_rows} can be needed). Every matcher is back in its state."
         )
+    valid = None
+    if return_valid:
+        valid = _valid_nodes(rows_out[:count], bits_out[:count], tree, draft, kinds, vocab_size)
     if max_rows is None:
-        return CompactMask(rows_out[:count], bits_out[:count], num_rows, count)
-    rows_out[count:max_rows] = num_rows
-    return CompactMask(rows_out[:max_rows], bits_out[:max_rows], num_rows, count)
+        mask = CompactMask(rows_out[:count], bits_out[:count], num_rows, count)
+    else:
+        rows_out[count:max_rows] = num_rows
+        mask = CompactMask(rows_out[:max_rows], bits_out[:max_rows], num_rows, count)
+    return mask if valid is None else (mask, valid)
+
+
+def _valid_nodes(
+    listed: np.ndarray,
+    bits: np.ndarray,
+    tree: GrammarTree,
+    draft: np.ndarray,
+    kinds: list[int],
+    vocab_size: int,
+) -> np.ndarray:
+    """bool ``[batch, nodes]``: the accepted nodes (the dense build's ``return_valid`` rule),
+    read off the compact entries: a node is accepted when it is a root, or its parent is
+    listed and the parent's row allows its token; unconstrained requests accept every node a
+    link reaches."""
+    batch, nodes = tree.batch, tree.nodes
+    total = batch * nodes
+    topology = tree.topology()
+    parent = topology.parent
+    entry = np.full(total + 1, -1, dtype=np.int64)  # listed row -> its entry; else -1
+    entry[listed] = np.arange(len(listed))
+    at = entry[np.where(parent >= 0, parent, total)]
+    tokens = draft.reshape(-1)
+    usable = (at >= 0) & (tokens >= 0) & (tokens < vocab_size)
+    safe = np.where(usable, tokens, 0)
+    word = np.zeros(total, dtype=np.int32)
+    word[usable] = bits[at[usable], safe[usable] >> 5]
+    valid = usable & (((word >> (safe & 31)) & 1) == 1)
+    valid[::nodes] = True
+    unconstrained = np.repeat(np.asarray(kinds) == NONE, nodes)
+    valid[unconstrained] = topology.reachable[unconstrained]
+    return valid.reshape(batch, nodes)

@@ -37,6 +37,8 @@ class LLOracle:
         self.inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def accept_token(self, token: int) -> bool:
+        if self.ended:
+            return False  # a terminated matcher accepts nothing (as xgrammar's)
         if token == self.eos:
             self.ended = self._allows(token)
             return self.ended
@@ -80,6 +82,8 @@ class OutlinesOracle:
         self.inner.write_mask_into(row.ctypes.data, row.size, 4)
 
     def accept_token(self, token: int) -> bool:
+        if self.ended:
+            return False  # a terminated matcher accepts nothing (as xgrammar's)
         if token == self.eos:
             self.ended = self.inner.is_finished()  # the end token is allowed in final states
             return self.ended

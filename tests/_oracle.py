@@ -80,6 +80,40 @@ def fill_row(matcher: Any, grammar_words: int, vocab: int) -> np.ndarray:
     return row
 
 
+def root_path(parent: Sequence[int], j: int) -> list[int]:
+    """The nodes from the root's child down to ``j`` (empty for the root)."""
+    path = []
+    while j != 0:
+        path.append(j)
+        j = parent[j]
+    path.reverse()
+    return path
+
+
+def replay(
+    fresh: Callable[[], Any],
+    path: Sequence[int],
+    draft: Sequence[int],
+    vocab: int,
+    grammar_words: int,
+) -> tuple[bool, Any]:
+    """Replay ``path`` on a fresh matcher: ``(accepted, matcher)``; ``accepted`` is True when
+    every token of the path is in range, allowed by the row before it and accepted by the
+    matcher, with no terminated node above the last one. The matcher is left after the path
+    (or where it stopped)."""
+    m = fresh()
+    limit = min(vocab, 32 * grammar_words)
+    for v in path:
+        if m.is_terminated():
+            return False, m
+        t = int(draft[v])
+        if not (0 <= t < limit and allowed_bit(fill_row(m, grammar_words, vocab), t)):
+            return False, m
+        if not m.accept_token(t):  # allowed by the mask, refused by the matcher
+            return False, m
+    return True, m
+
+
 def expected_rows(
     fresh: Callable[[], Any] | None,
     next_token: Sequence[int],
@@ -88,7 +122,8 @@ def expected_rows(
     vocab: int,
     grammar_words: int,
 ) -> np.ndarray:
-    """Expected ``[nodes, words(vocab)]`` rows of one request by per-node path replay."""
+    """Expected ``[nodes, words(vocab)]`` rows of one request by per-node path replay: the
+    grammar's row for an accepted, non-terminated node, all-allowed (-1) otherwise."""
     return expected_rows_and_live(fresh, next_token, next_sibling, draft, vocab, grammar_words)[0]
 
 
@@ -111,30 +146,69 @@ def expected_rows_and_live(
     for j in range(n):
         if j != 0 and parent[j] == -1:
             continue  # padding: no link reaches it
-        path = []
-        v = j
-        while v != 0:
-            path.append(v)
-            v = parent[v]
-        path.reverse()
-        m = fresh()
-        alive = not m.is_terminated()
-        for v in path:
-            if not alive:
-                break
-            row = fill_row(m, grammar_words, vocab)
-            t = int(draft[v])
-            if not (0 <= t < vocab) or t >= 32 * grammar_words or not allowed_bit(row, t):
-                alive = False
-                break
-            if not m.accept_token(t):  # allowed by the mask, refused by the matcher
-                alive = False
-                break
-            alive = not m.is_terminated()
-        if alive:
+        accepted, m = replay(fresh, root_path(parent, j), draft, vocab, grammar_words)
+        if accepted and not m.is_terminated():
             rows[j] = fill_row(m, grammar_words, vocab)
             live[j] = True
     return rows, live
+
+
+def expected_accepted(
+    fresh: Callable[[], Any] | None,
+    next_token: Sequence[int],
+    next_sibling: Sequence[int],
+    draft: Sequence[int],
+    vocab: int,
+    grammar_words: int,
+) -> list[bool]:
+    """Which nodes of one request the grammar accepts, by per-node path replay (terminated
+    nodes included). Unconstrained requests accept every node a link reaches; padding no
+    link reaches is never accepted."""
+    parent = parents_of(next_token, next_sibling)
+    accepted = [False] * len(next_token)
+    for j in range(len(next_token)):
+        if j != 0 and parent[j] == -1:
+            continue
+        if fresh is None:
+            accepted[j] = True
+        else:
+            accepted[j] = replay(fresh, root_path(parent, j), draft, vocab, grammar_words)[0]
+    return accepted
+
+
+def _per_request(
+    expect: Callable[..., Any],
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> list[Any]:
+    return [
+        expect(
+            None if r is None else r.fresh,
+            next_token[b].tolist(),
+            next_sibling[b].tolist(),
+            draft[b].tolist(),
+            vocab,
+            grammar_words,
+        )
+        for b, r in enumerate(requests)
+    ]
+
+
+def expected_valid(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+) -> np.ndarray:
+    """bool ``[batch, nodes]`` of :func:`expected_accepted` per request."""
+    arrays = (next_token, next_sibling, draft, vocab, grammar_words)
+    return np.array(_per_request(expected_accepted, requests, *arrays), dtype=bool)
 
 
 def expected_mask(
@@ -146,18 +220,8 @@ def expected_mask(
     grammar_words: int,
 ) -> np.ndarray:
     """Expected ``[batch * nodes, words(vocab)]`` mask for a batch."""
-    blocks = [
-        expected_rows(
-            None if r is None else r.fresh,
-            next_token[b].tolist(),
-            next_sibling[b].tolist(),
-            draft[b].tolist(),
-            vocab,
-            grammar_words,
-        )
-        for b, r in enumerate(requests)
-    ]
-    return np.concatenate(blocks, axis=0)
+    arrays = (next_token, next_sibling, draft, vocab, grammar_words)
+    return np.concatenate(_per_request(expected_rows, requests, *arrays), axis=0)
 
 
 def expected_compact(
@@ -218,35 +282,23 @@ def expected_node_counts(
 ) -> tuple[int, int]:
     """``(checked, rejected)`` over a batch by per-node replay: a draft node is checked when
     its parent's root path is accepted and leaves the matcher live, rejected when, in
-    addition, its token is out of range or not allowed by the parent's row."""
+    addition, its token is out of range, not allowed by the parent's row, or refused."""
     checked = rejected = 0
+    limit = min(vocab, 32 * grammar_words)
     for b, request in enumerate(requests):
         if request is None:
             continue
+        dt = draft[b].tolist()
         parent = parents_of(next_token[b].tolist(), next_sibling[b].tolist())
         for j in range(1, len(parent)):
             p = parent[j]
             if p == -1:
                 continue
-            path = []
-            v = p
-            while v != 0:
-                path.append(v)
-                v = parent[v]
-            m = request.fresh()
-            limit = min(vocab, 32 * grammar_words)
-            alive = not m.is_terminated()
-            for v in reversed(path):
-                if not alive:
-                    break
-                t = int(draft[b, v])
-                row = fill_row(m, grammar_words, vocab)
-                alive = 0 <= t < limit and allowed_bit(row, t) and m.accept_token(t)
-                alive = alive and not m.is_terminated()
-            if not alive:
+            accepted, m = replay(request.fresh, root_path(parent, p), dt, vocab, grammar_words)
+            if not accepted or m.is_terminated():
                 continue
             checked += 1
-            t = int(draft[b, j])
+            t = dt[j]
             if not (
                 0 <= t < limit and allowed_bit(fill_row(m, grammar_words, vocab), t)
             ) or not m.accept_token(t):
@@ -339,3 +391,80 @@ def assert_mask_matches(case: Any, grammar_words: int, mask: np.ndarray | None) 
     assert mask.shape == want.shape
     bad = np.flatnonzero((mask != want).any(axis=1))
     assert bad.size == 0, f"rows differing from the oracle: {bad.tolist()}"
+
+
+def expected_reasoning_mask(
+    requests: Sequence[Request | None],
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    vocab: int,
+    grammar_words: int,
+    active: Sequence[bool],
+    ends: set[int],
+    content_ends: set[int],
+    with_valid: bool = False,
+) -> Any:
+    """The reasoning rule by per-node path replay: along each path of an active request the
+    free-text row (all allowed but the content end tokens a fresh matcher refuses first)
+    holds until an end token (grammar after it) or a content end token (the grammar's first
+    token); from there on, the grammar on a fresh matcher, as in :func:`expected_rows`."""
+    width = words(vocab)
+    limit = min(vocab, 32 * grammar_words)
+    blocks = []
+    valid = []
+    for b, request in enumerate(requests):
+        nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
+        if request is None or not active[b]:
+            fresh = None if request is None else request.fresh
+            blocks.append(expected_rows(fresh, nt, ns, dt, vocab, grammar_words))
+            valid.append(expected_accepted(fresh, nt, ns, dt, vocab, grammar_words))
+            continue
+        start = request.fresh()
+        free = np.full(width, -1, dtype=np.int32)
+        if not start.is_terminated():
+            first = fill_row(start, grammar_words, vocab)
+            for t in content_ends:
+                if not allowed_bit(first, t):
+                    free.view(np.uint32)[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+        parent = parents_of(nt, ns)
+        rows = np.full((len(nt), width), -1, dtype=np.int32)
+        accepted = [False] * len(nt)
+        for j in range(len(nt)):
+            if j != 0 and parent[j] == -1:
+                continue
+            path = root_path(parent, j)
+            state, m, alive = "reasoning", None, True
+            ok = True  # every node of the path so far was accepted
+            for v in path:
+                t = dt[v]
+                if not alive:
+                    ok = False
+                    break
+                if state == "reasoning":
+                    if not (0 <= t < vocab and allowed_bit(free, t)):
+                        alive = ok = False
+                        break
+                    if t in ends:
+                        state, m = "grammar", request.fresh()
+                        alive = not m.is_terminated()
+                    elif t in content_ends:
+                        state, m = "grammar", request.fresh()
+                        if not m.accept_token(t):
+                            alive = ok = False
+                            break
+                        alive = not m.is_terminated()
+                    continue
+                row = fill_row(m, grammar_words, vocab)
+                if not (0 <= t < limit and allowed_bit(row, t)) or not m.accept_token(t):
+                    alive = ok = False
+                    break
+                alive = not m.is_terminated()
+            accepted[j] = ok
+            if not alive:
+                continue
+            rows[j] = free if state == "reasoning" else fill_row(m, grammar_words, vocab)
+        blocks.append(rows)
+        valid.append(accepted)
+    mask = np.concatenate(blocks, axis=0)
+    return (mask, np.array(valid, dtype=bool)) if with_valid else mask

@@ -174,3 +174,26 @@ def test_xgrammar_matchers_only_once_per_request(batch_case, smollm2):
     assert sum(r is not None for r in requests) == 7
     assert (want != -1).any(axis=1).sum() >= 10
     assert isinstance(requests[0].fresh(), xgr.GrammarMatcher)
+
+
+def test_reasoning_and_valid_nodes(target, batch_case, smollm2):
+    """Reasoning requests and the valid-node array through every target: the same bits as
+    the host build, and the valid array on the host."""
+    requests, nt, ns, dt, _ = batch_case
+    end = smollm2.tokens.index("<|im_start|>")
+    dt = dt.copy()
+    dt[:, 1] = np.where(np.arange(BATCH) % 2 == 0, end, dt[:, 1])  # half end their reasoning
+    reasoning = ps.Reasoning(np.arange(BATCH) % 3 != 0, [end], [smollm2.tokens.index("{")])
+    host = ps.GrammarTree.from_host(nt, ns, dt)
+    want, want_valid = ps.build_host_bitmask(
+        _matchers(requests), host, smollm2.size, reasoning=reasoning, return_valid=True
+    )
+    tree = ps.GrammarTree.from_device(*(target.put(a) for a in (nt, ns, dt)))
+    mask, valid = ps.build_grammar_vocab_mask(
+        _matchers(requests), tree, smollm2.size, reasoning=reasoning, return_valid=True
+    )
+    target.check_placement(mask)
+    np.testing.assert_array_equal(target.get(mask), want)
+    assert isinstance(valid, np.ndarray) and valid.dtype == np.bool_
+    np.testing.assert_array_equal(valid, want_valid)
+    assert (want != -1).any()

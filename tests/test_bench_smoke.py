@@ -162,3 +162,48 @@ def test_cli_routes_bench_help(capsys):
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_engines_section(quick_run):
+    """Every installed engine against its own loop: both shapes, rows agree with the loop."""
+    from portable_spec.bench.engines import available_engines
+
+    payload, _, stdout = quick_run
+    records = payload["engines"]
+    assert {r["engine"] for r in records} == set(available_engines())
+    assert {r["shape"] for r in records} == {"tree", "chain"}
+    for r in records:
+        assert r["rows_agree"], r
+        assert r["live_rows"] > 0
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert ("engine_par_chain" in r["seconds"]) == (
+            r["engine"] == "llguidance" and r["shape"] == "chain"
+        )
+    assert "## Grammar engines" in stdout
+
+
+def test_chains_section(quick_run):
+    """vLLM-style chains: K 1 and 4 at batch 1 and 8, half the pool reasoning; the recipe's
+    rows equal the serial fill's."""
+    payload, _, stdout = quick_run
+    records = payload["chains"]
+    assert {(r["k"], r["batch"]) for r in records} == {(k, b) for k in (1, 4) for b in (1, 8)}
+    for r in records:
+        assert r["rows_identical"] is True, r
+        assert r["rounds"] >= 3
+        assert r["pool_reasoning_share"] == 0.5
+        assert 0.0 <= r["reasoning_share"] <= 1.0
+        assert set(r["seconds"]) == {"portable_spec", "serial_fill", "validate_fill"}
+        assert all(_finite_positive(v) for v in r["seconds"].values()), r
+        assert set(r["speedup"]) == {"serial_fill", "validate_fill"}
+        assert all(_finite_positive(v) for v in r["speedup"].values()), r
+    assert "## vLLM-style chains" in stdout
+
+
+@pytest.mark.parametrize("value", ["2", "-0.5", "half", ""])
+def test_chain_reasoning_option_is_checked(value):
+    from portable_spec.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--chain-reasoning", value])
+    assert parse_args(["--chain-reasoning", "0,0.25"]).chain_reasoning == (0.0, 0.25)

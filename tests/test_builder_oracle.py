@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _cases import draw_case
-from _oracle import ProtocolMatcher, assert_mask_matches, expected_node_counts, matcher_state
+from _oracle import (
+    ProtocolMatcher,
+    assert_mask_matches,
+    expected_node_counts,
+    expected_valid,
+    matcher_state,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +62,15 @@ def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
             -(2**31), 2**31, size=(case.next_token.size, words), dtype=np.int32
         )
     ps.reset_grammar_stats()
-    mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out)
+    return_valid = data.draw(st.booleans(), label="return_valid")
+    result = ps.build_host_bitmask(
+        case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid
+    )
+    mask = result[0] if return_valid else result
+    if return_valid:  # which nodes the grammars accept, against the replay oracle
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
+        np.testing.assert_array_equal(result[1], want)
     if out is not None and mask is not None:
         assert mask is out
     _check(case, vocab, mask)

@@ -14,6 +14,7 @@ from _oracle import (
     expected_compact,
     expected_mask,
     expected_node_counts,
+    expected_valid,
     matcher_state,
 )
 from hypothesis import HealthCheck, given, settings
@@ -55,10 +56,21 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     before = _prints(case, vocab)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
     max_rows = data.draw(st.sampled_from([None, case.next_token.size]), label="max_rows")
+    return_valid = data.draw(st.booleans(), label="return_valid")
     ps.reset_grammar_stats()
     mask = ps.build_host_bitmask(
-        case.matchers, tree, case.vocab_size, layout="compact", max_rows=max_rows
+        case.matchers,
+        tree,
+        case.vocab_size,
+        layout="compact",
+        max_rows=max_rows,
+        return_valid=return_valid,
     )
+    arrays = (case.next_token, case.next_sibling, case.draft)
+    if return_valid:  # the accepted nodes, as the dense layout reports them
+        mask, valid = mask
+        want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
+        np.testing.assert_array_equal(valid, want)
     assert_compact_matches(case, vocab.words, mask)
     if mask is not None:
         assert mask.num_rows == case.next_token.size
@@ -66,7 +78,6 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
         real = mask.rows[: mask.count]
         assert (np.diff(real) > 0).all()  # strictly ascending
         stats = ps.grammar_stats()
-        arrays = (case.next_token, case.next_sibling, case.draft)
         want = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
         assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
     assert _prints(case, vocab) == before
@@ -368,3 +379,38 @@ def test_backends_and_placements_without_compact_masks_are_refused(smollm2, monk
     assert matchers[0].calls == []
     with pytest.raises(TypeError, match="cannot apply a CompactMask"):
         Backend.apply_compact_mask(ps.get_backend("numpy"), np.zeros((1, 32)), None)
+
+
+def test_reasoning_is_dense_only(smollm2):
+    compiled = smollm2.grammars["builtin_json"]
+    matchers = [ProtocolMatcher(xgr_matcher(compiled))]
+    tree = ps.GrammarTree.from_linear_chain(np.zeros((1, 3), np.int64))
+    reasoning = ps.Reasoning(active=[True], end_token_ids=[smollm2.eos])
+    for build in (ps.build_host_bitmask, ps.build_grammar_vocab_mask):
+        with pytest.raises(ValueError, match="reasoning= builds dense masks only"):
+            build(matchers, tree, smollm2.size, layout="compact", reasoning=reasoning)
+    assert matchers[0].calls == []
+
+
+def test_return_valid_through_the_device_entry_point(smollm2):
+    """build_grammar_vocab_mask(layout="compact", return_valid=True): (mask, valid), valid
+    the dense layout's, also when no request has a grammar."""
+    requests = [Request(smollm2.grammars["builtin_json"]), None]
+    dt = np.array([[0, smollm2.tokens.index("{"), 5], [0, 1, 2]])
+    tree = ps.GrammarTree.from_linear_chain(dt)
+    dense, want = ps.build_grammar_vocab_mask(
+        [r and r.fresh() for r in requests], tree, smollm2.size, return_valid=True
+    )
+    mask, valid = ps.build_grammar_vocab_mask(
+        [r and r.fresh() for r in requests],
+        tree,
+        smollm2.size,
+        layout="compact",
+        return_valid=True,
+    )
+    np.testing.assert_array_equal(valid, want)
+    np.testing.assert_array_equal(mask.to_dense(), dense)
+    none, valid = ps.build_grammar_vocab_mask(
+        [None, None], tree, smollm2.size, layout="compact", return_valid=True
+    )
+    assert none is None and valid.all()

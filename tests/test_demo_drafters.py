@@ -122,3 +122,83 @@ def test_accept_path_follows_the_argmax_through_siblings():
     assert accept_path(nt, ns, draft, np.array([11, 0, 21, 0, 99])) == [0, 2]
     assert accept_path(nt, ns, draft, np.array([13, 0, 20, 0, 99])) == [0]
     assert accept_path(nt, ns, draft, np.array([12, 0, 20, 0, 99])) == [0, 3]
+
+
+# -- grammar-aware n-gram drafts ---------------------------------------------------------------
+def _person_matcher(tok, prefix):
+    from portable_spec.demo.constraints import load_constraint
+
+    m = load_constraint().matcher()
+    for t in tok.encode(prefix):
+        assert m.accept_token(t)
+    return m
+
+
+def test_grammar_aware_ngram_grafts_the_forced_continuation(tok):
+    """After the name's closing quote the schema forces ', "age": ': the draft starts with
+    that chain even though the context never contained it; every node is grammar-valid and
+    the verify mask from the session equals build_grammar_vocab_mask on the draft's tree."""
+    import portable_spec as ps
+    from portable_spec.demo.drafters import GrammarContext
+
+    text = '{"name": "Ada Lovelace"'
+    matcher = _person_matcher(tok, text)
+    forced = matcher.find_jump_forward_tokens()
+    assert tok.decode(forced) == ', "age":'
+    context = tok.encode("Ada Lovelace is 36. ") + tok.encode(text)
+    drafter = NgramDrafter(6)
+    draft = drafter.draft(
+        None, context, start=len(context) - 1, grammar=GrammarContext(matcher, 49152)
+    )
+    try:
+        nt, _ns, toks = (a[0] for a in draft.tree.resolve())
+        chain, node = [], 0
+        while nt[node] != -1 and len(chain) < len(forced):
+            node = nt[node]
+            chain.append(int(toks[node]))
+        assert chain == forced
+        chosen = draft.select[0] >= 0
+        # the root and the chain: the context's votes (a string after '":', more text after
+        # the name's closing quote) are all refused by the grammar
+        assert chosen.sum() == 1 + len(forced)
+        assert draft.session.valid(draft.select)[0][chosen].all()
+        mask = draft.session.verify_mask(draft.select)
+    finally:
+        draft.session.close()
+    np.testing.assert_array_equal(mask, ps.build_grammar_vocab_mask([matcher], draft.tree, 49152))
+    blind = NgramDrafter(6, masked=False).draft(
+        None, context, start=len(context) - 1, grammar=GrammarContext(matcher, 49152)
+    )
+    assert blind.session is None
+
+
+def test_grammar_aware_ngram_keeps_only_valid_votes(tok):
+    """The context votes twice for a string after '":' and once for a number: blind, the
+    string branch is drafted first; grammar-aware (the schema wants the age, an integer), only
+    the number branch is drafted, and every drafted node is valid."""
+    from portable_spec.demo.drafters import GrammarContext
+
+    prefix = '{"name": "Ada Lovelace", "age":'
+    matcher = _person_matcher(tok, prefix)
+    context = tok.encode('{"a": "b", "c": "d", "e": 3}') + tok.encode(prefix)
+    space, three, quote = tok.encode(" ")[0], tok.encode("3")[0], tok.encode(' "')[0]
+
+    def first_children(draft):
+        nt, ns, toks = (a[0] for a in draft.tree.resolve())
+        kids, c = [], nt[0]
+        while c != -1:
+            kids.append(int(toks[c]))
+            c = ns[c]
+        return kids
+
+    blind = NgramDrafter(4, masked=False).draft(None, context, start=0)
+    assert first_children(blind)[0] == quote and space in first_children(blind)
+    aware = NgramDrafter(4).draft(None, context, start=0, grammar=GrammarContext(matcher, 49152))
+    try:
+        assert first_children(aware) == [space]
+        chosen = aware.select[0] >= 0
+        assert aware.session.valid(aware.select)[0][chosen].all()
+        _, _, toks = (a[0] for a in aware.tree.resolve())
+        assert three in toks.tolist()
+    finally:
+        aware.session.close()

@@ -1,5 +1,6 @@
 """The demo engine end to end: speculative == plain constrained greedy decoding (float64,
-both backends, both drafters), and finished output validates independently."""
+both backends, both drafters, grammar-aware and blind), and finished output validates
+independently."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def _prompt(tok, text):
     return tok.encode(tok.chat_prompt(text))
 
 
-def _drafter(name, nodes):
+def _drafter(name, nodes, masked=True):
     if name == "ngram":
-        return NgramDrafter(nodes)
-    return SelfDrafter(nodes, layers=24, branch=3)
+        return NgramDrafter(nodes, masked=bool(masked))
+    return SelfDrafter(nodes, layers=24, branch=3, masked=bool(masked), root_only=masked == "root")
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
@@ -57,15 +58,35 @@ def test_speculative_equals_plain_decoding_float64(request, models, tok, person,
             )
 
         plain = run(None)
-        specs = {name: run(_drafter(name, 4)) for name in ("ngram", "self")}
+        specs = {
+            (name, masked): run(_drafter(name, 4, masked))
+            for name, masked in [
+                ("ngram", True),
+                ("ngram", False),
+                ("self", True),
+                ("self", "root"),
+                ("self", False),
+            ]
+        }
     assert len(plain.tokens) == SHORT and plain.accepted_per_step == [1] * SHORT
     assert tok.decode(plain.tokens).startswith('{"name": "Ada Lovelace"')
-    for name, spec in specs.items():
+    for (name, masked), spec in specs.items():
         assert spec.tokens == plain.tokens, name
         # the drafts were really used: some step committed drafted tokens
         assert max(spec.accepted_per_step) >= 2, (name, spec.accepted_per_step)
         assert len(spec.steps) < SHORT
         assert all(s.mask_build_ms > 0 for s in spec.steps)
+        assert all(0 <= s.valid_nodes <= s.draft_nodes <= 3 for s in spec.steps)
+        if masked is True:  # the grammar checked every drafted node before the verify
+            assert all(s.valid_nodes == s.draft_nodes for s in spec.steps), name
+            assert all(s.draft_mask_ms > 0 for s in spec.steps), name
+        elif masked == "root":  # the first level follows the grammar
+            assert all(s.draft_mask_ms > 0 for s in spec.steps), name
+        else:
+            assert all(s.draft_mask_ms == 0 for s in spec.steps), name
+    # the self drafter fills its tree; blind, some of it is off-grammar
+    assert all(s.draft_nodes == 3 for s in specs[("self", True)].steps)
+    assert any(s.valid_nodes < s.draft_nodes for s in specs[("self", False)].steps)
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])

@@ -156,3 +156,53 @@ def test_self_draft_tree_is_built_on_device_and_agrees_across_backends(request, 
     np.testing.assert_array_equal(host["tree_mask"], _ancestors(nt, ns))
     depth = host["tree_mask"].sum(axis=1) - 1
     np.testing.assert_array_equal(host["positions"], len(prompt) - 1 + depth)
+
+
+def test_the_gguf_is_parsed_once_per_process():
+    """Vocabulary, tokenizer and weights (both dtypes, default and explicit path) share one
+    parsed GGUF."""
+    import subprocess
+    import sys
+
+    code = """
+import gguf
+
+count = 0
+
+
+class Counting(gguf.GGUFReader):
+    def __init__(self, *args, **kwargs):
+        global count
+        count += 1
+        super().__init__(*args, **kwargs)
+
+
+gguf.GGUFReader = Counting
+from portable_spec.demo.constraints import load_constraint
+from portable_spec.demo.gguf_vocab import load_vocab, smollm2_gguf_path
+from portable_spec.demo.tokenizer import load_tokenizer
+from portable_spec.demo.weights import load_weights
+
+load_vocab()
+load_vocab(smollm2_gguf_path())
+load_tokenizer()
+load_constraint()
+load_weights(None, "float32")
+load_weights(smollm2_gguf_path(), "float64")
+print(count)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "1"
+
+
+def test_backends_ship_only_staging_upload_and_apply():
+    """The demo's models live in portable_spec.demo; no backend module reaches up into it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "backends").rglob("*.py"):
+        assert path.name != "model.py", path
+        assert "portable_spec.demo" not in path.read_text(), path
+    assert (root / "portable_spec/demo/jax_model.py").exists()
+    assert (root / "portable_spec/demo/torch_model.py").exists()

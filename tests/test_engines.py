@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _cases import draw_case
-from _oracle import Request, assert_mask_matches, expected_node_counts, matcher_state
+from _oracle import (
+    Request,
+    assert_mask_matches,
+    expected_node_counts,
+    expected_valid,
+    matcher_state,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,8 +85,12 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     before = _prints(case, smollm2.words)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
     ps.reset_grammar_stats()
-    mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size)
+    mask, valid = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, return_valid=True)
     assert_mask_matches(case, smollm2.words, mask)
+    arrays = (case.next_token, case.next_sibling, case.draft)
+    np.testing.assert_array_equal(
+        valid, expected_valid(case.requests, *arrays, case.vocab_size, smollm2.words)
+    )
     if mask is not None:
         stats = ps.grammar_stats()
         arrays = (case.next_token, case.next_sibling, case.draft)
@@ -99,10 +109,13 @@ def test_chains_match_oracle(smollm2, engine, data):
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
     case.next_sibling = np.full((batch, nodes), -1)
-    mask = ps.build_host_bitmask(
-        case.matchers, ps.GrammarTree.from_linear_chain(case.draft), case.vocab_size
-    )
+    chain = ps.GrammarTree.from_linear_chain(case.draft)
+    mask, valid = ps.build_host_bitmask(case.matchers, chain, case.vocab_size, return_valid=True)
     assert_mask_matches(case, smollm2.words, mask)
+    arrays = (case.next_token, case.next_sibling, case.draft)
+    np.testing.assert_array_equal(
+        valid, expected_valid(case.requests, *arrays, case.vocab_size, smollm2.words)
+    )
 
 
 # -- termination: one rule for every engine ---------------------------------------------------
@@ -291,3 +304,24 @@ def test_deep_chain_without_recursion(smollm2):
     mask = ps.build_host_bitmask([llm, guide], ps.GrammarTree.from_linear_chain(dt), smollm2.size)
     assert _live(mask, 3001).all()
     assert guide.get_state() == outlines_core.Guide(index, max_rollback=1).get_state()
+
+
+def test_llguidance_chain_row_equal_to_the_sentinel(smollm2, tok, monkeypatch):
+    """The chain fill tells written rows by a sentinel; a real row that happens to equal it
+    is still recognised as written (decided on a fork), and the mask is unchanged."""
+    import portable_spec.engines.llguidance as engine
+
+    text = tok.encode('{"name": "ab", "age": 4')
+    dt = np.array([[0, *text]])
+    want = ps.build_host_bitmask(
+        [ge.llguidance_matcher("json_schema")], ps.GrammarTree.from_linear_chain(dt), smollm2.size
+    )
+    assert (want != -1).any(axis=1).all()
+    for node in (1, 3, len(text)):  # rows in the middle and at the end of the chain
+        monkeypatch.setattr(engine, "_SENTINEL", (int(want[node, 0]), int(want[node, -1])))
+        got = ps.build_host_bitmask(
+            [ge.llguidance_matcher("json_schema")],
+            ps.GrammarTree.from_linear_chain(dt),
+            smollm2.size,
+        )
+        np.testing.assert_array_equal(got, want)

@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["Preset", "main", "parse_args", "run"]
 
-SECTIONS = ("build", "staging", "apply", "overlap", "layout", "async")
+SECTIONS = ("build", "staging", "apply", "overlap", "engines", "chains", "layout", "async")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class Preset:
     apply_rows: int
     overlap_batch: int
     overlap_nodes: int
+    chain_drafts: tuple[int, ...]
+    chain_batches: tuple[int, ...]
+    chain_reasoning: tuple[float, ...]
     layout_vocabs: tuple[str, ...] = ("smollm2", "131072")
     layout_batches: tuple[int, ...] = (8, 64, 256)
     layout_nodes: tuple[int, ...] = (16, 64)
@@ -58,6 +61,9 @@ FULL = Preset(
     apply_rows=256,
     overlap_batch=64,
     overlap_nodes=64,
+    chain_drafts=(1, 2, 4, 8),
+    chain_batches=(1, 8, 64, 256),
+    chain_reasoning=(0.0, 0.5),
 )
 
 QUICK = Preset(
@@ -72,6 +78,9 @@ QUICK = Preset(
     apply_rows=32,
     overlap_batch=8,
     overlap_nodes=16,
+    chain_drafts=(1, 4),
+    chain_batches=(1, 8),
+    chain_reasoning=(0.5,),
     layout_vocabs=("smollm2",),
     layout_batches=(8,),
     layout_nodes=(16,),
@@ -90,6 +99,18 @@ def _ints(text: str) -> tuple[int, ...]:
         ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected shares in [0, 1], got {text!r}")
     return values
 
 
@@ -139,6 +160,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--shapes", type=_names(SHAPES), help="tree shapes: tree,chain")
     p.add_argument(
         "--grammars", type=_names(GRAMMAR_KINDS), help="grammars: json_schema,ebnf,regex"
+    )
+    p.add_argument(
+        "--engines",
+        type=_names(("xgrammar", "llguidance", "outlines")),
+        help="grammar engines of the engines section (default: those installed)",
+    )
+    p.add_argument(
+        "--engine-batch", type=_ints, help="engines section batch sizes (full: 1,8,64,256)"
+    )
+    p.add_argument(
+        "--chain-drafts", type=_ints, help="chains section: drafts per request K (full: 1,2,4,8)"
+    )
+    p.add_argument(
+        "--chain-batch", type=_ints, help="chains section batch sizes (full: 1,8,64,256)"
+    )
+    p.add_argument(
+        "--chain-reasoning",
+        type=_shares,
+        help="chains section: shares of the batch still reasoning (full: 0,0.5)",
     )
     p.add_argument("--rounds", type=int, help="most timed rounds per configuration")
     p.add_argument("--min-rounds", type=int, help="fewest timed rounds per configuration")
@@ -371,6 +411,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     steps += 4 * len(staging_batches) if "staging" in sections else 0
     steps += 5 if "apply" in sections else 0
     steps += 2 if "overlap" in sections else 0
+    from portable_spec.bench.engines import available_engines
+
+    engines = args.engines or available_engines()
+    engine_batches = args.engine_batch or preset.batches
+    engine_kinds = args.grammars or ("json_schema",)
+    engine_nodes = args.nodes or (16,)
+    if "engines" in sections:
+        steps += len(engines) * len(engine_kinds) * len(shapes) * len(engine_nodes)
+    chain_drafts = args.chain_drafts or preset.chain_drafts
+    chain_batches = args.chain_batch or preset.chain_batches
+    chain_reasoning = args.chain_reasoning or preset.chain_reasoning
+    steps += len(chain_drafts) * len(chain_reasoning) if "chains" in sections else 0
     layout_vocabs = args.layout_vocab or preset.layout_vocabs
     async_vocabs = args.layout_vocab or preset.async_vocabs
     layout_grid = LayoutGrid(
@@ -414,6 +466,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "staging": [],
         "apply": [],
         "overlap": [],
+        "engines": [],
+        "chains": [],
         "layout": [],
         "async": [],
     }
@@ -422,6 +476,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     with _Progress(steps, not args.no_progress) as progress, _torch_threads(args.torch_threads):
         progress.describe("loading the SmolLM2 vocabulary and compiling grammars")
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
+        if "engines" in sections:
+            kinds = (*kinds, *engine_kinds)
+        if "chains" in sections:
+            kinds = (*kinds, "json_schema")
         setup = load_setup(tuple(dict.fromkeys(kinds)))
         payload["meta"]["vocab_size"] = setup.vocab_size
         if "apply" in sections and args.apply_vocab < setup.vocab_size:
@@ -495,6 +553,41 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 overlap_batch,
                 plan,
                 forward_factor=args.forward_factor,
+                policy=policy,
+                advance=progress.advance,
+            )
+        if "engines" in sections:
+            from portable_spec.bench.engines import run_engines_section
+
+            progress.describe("engines: drawing request pools")
+            payload["engines"] = run_engines_section(
+                setup,
+                engines,
+                engine_kinds,
+                shapes,
+                engine_nodes,
+                engine_batches,
+                lambda _batch, _nodes: plan,
+                threads=threads,
+                topk=args.topk,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
+        if "chains" in sections:
+            from portable_spec.bench.chains import run_chains_section
+
+            progress.describe("chains: drawing request pools")
+            payload["chains"] = run_chains_section(
+                setup,
+                chain_drafts,
+                chain_batches,
+                lambda _batch, _nodes: plan,
+                threads=threads,
+                reasoning_shares=chain_reasoning,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
                 policy=policy,
                 advance=progress.advance,
             )
@@ -597,6 +690,27 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(report.overlap_table(payload["overlap"]))
         out()
+    if payload.get("engines"):
+        out(f"## Grammar engines ({cores} cores, {meta['threads']} portable_spec threads)")
+        out()
+        out(
+            "Each engine against its own per-request, per-node loop (and llguidance's parallel "
+            "chain fill on chains); `vs X` = X's median / portable_spec's median."
+        )
+        out()
+        out(report.engines_table(payload["engines"]))
+        out()
+    if payload.get("chains"):
+        out(f"## vLLM-style chains ({cores} cores, {meta['threads']} portable_spec threads)")
+        out()
+        out(
+            "The vLLM recipe's build (K drafts + 1 bonus row per request, part of the batch "
+            "still reasoning) against vLLM's serial per-token fill; `vs X` = X's median / "
+            "portable_spec's median."
+        )
+        out()
+        out(report.chains_table(payload["chains"]))
+        out()
     if payload.get("layout"):
         from portable_spec.bench.layouts import layout_apply_table, layout_table
 
@@ -621,7 +735,7 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``portable-spec bench``; returns the exit status (1 if a mask check
-    failed: the library and the Python traversal disagreed)."""
+    failed: the library and the Python traversal, or the serial chain fill, disagreed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     payload = run(args, argv)
@@ -657,5 +771,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Python traversal's (build section) or from the dense layout's (layout section)",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    chains = [r for r in payload["chains"] if not r.get("rows_identical")]
+    if chains:
+        print(
+            f"error: {len(chains)} chain configurations produced rows that differ from the "
+            "serial fill",
+            file=sys.stderr,
+        )
+    return 1 if failed or chains else 0

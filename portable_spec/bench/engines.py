@@ -21,13 +21,22 @@ drafts mostly follow the grammar, drawn with that engine's own masks):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import Method, RoundPlan, median, run_rounds, usable_cores
+from portable_spec.bench.timing import (
+    Method,
+    QuietPolicy,
+    RoundPlan,
+    measure_quietly,
+    median,
+    run_rounds,
+    usable_cores,
+)
 from portable_spec.bench.workloads import Batch, RequestPool, Setup, make_pool
 
 __all__ = ["ENGINES", "available_engines", "engine_pool", "run_engine_config"]
@@ -346,9 +355,12 @@ def run_engines_section(
     topk: int = 4,
     on_grammar: float = 0.85,
     seed: int = 0,
+    policy: QuietPolicy | None = None,
     advance: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every (engine, grammar, shape, nodes, batch) configuration the engines can express."""
+    """Every (engine, grammar, shape, nodes, batch) configuration the engines can express;
+    ``policy`` says what to do when other processes load the machine."""
+    policy = policy or QuietPolicy()
     records = []
     size = max(16, max(batches) + max(batches) // 4)
     for engine in engines:
@@ -363,10 +375,12 @@ def run_engines_section(
                         continue
                     for batch in batches:
                         plan = plan_for(batch, nodes)
-                        record = run_engine_config(
-                            setup, engine, pool, batch, plan, threads=threads
+                        measure = functools.partial(
+                            run_engine_config, setup, engine, pool, batch, plan, threads=threads
                         )
+                        record, busy = measure_quietly(measure, policy)
+                        record["other_busy_cores"] = busy
                         records.append(record)
-                        if advance is not None:
-                            advance(f"engines {engine} {kind} {shape} n={nodes} bs={batch}")
+                    if advance is not None:
+                        advance(f"engines {engine} {kind} {shape} n={nodes}")
     return records

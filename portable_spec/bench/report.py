@@ -15,6 +15,7 @@ __all__ = [
     "Target",
     "apply_table",
     "build_table",
+    "chains_table",
     "evaluate_targets",
     "meta_lines",
     "overlap_table",
@@ -120,6 +121,89 @@ def build_table(records: Sequence[dict[str, Any]]) -> str:
                 _ms(r["ideal_seconds"]),
                 f"{r['ours_over_ideal']:.2f}",
                 "ok" if ok else "MISMATCH",
+                _bg(r),
+            ]
+        )
+    return _table(header, rows)
+
+
+def engines_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per engine configuration: medians (ms) and speedups over the engine's own
+    per-node loop (and llguidance's parallel chain fill, on chains)."""
+    if not records:
+        return ""
+    header = [
+        "engine",
+        "grammar",
+        "shape",
+        "nodes",
+        "batch",
+        "live rows",
+        "ours ms",
+        "engine loop ms",
+        "vs engine loop",
+        "par chain fill ms",
+        "vs par chain fill",
+        "check",
+        "bg",
+    ]
+    rows = []
+    for r in records:
+        s, sp = r["seconds"], r["speedup"]
+        par = "engine_par_chain" in s
+        rows.append(
+            [
+                r["engine"],
+                r["kind"],
+                r["shape"],
+                str(r["nodes"]),
+                str(r["batch"]),
+                str(r["live_rows"]),
+                _ms(s["portable_spec"]),
+                _ms(s["engine_loop"]),
+                _x(sp["engine_loop"]),
+                _ms(s["engine_par_chain"]) if par else "-",
+                _x(sp["engine_par_chain"]) if par else "-",
+                "ok" if r.get("rows_agree") else "MISMATCH",
+                _bg(r),
+            ]
+        )
+    return _table(header, rows)
+
+
+def chains_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per ``(K, batch)`` of the chains section: medians (ms) and speedups over the
+    serial fill (drafts validated beforehand, untimed) and over validation + fill."""
+    if not records:
+        return ""
+    header = [
+        "K",
+        "batch",
+        "reasoning",
+        "ends in window",
+        "ours ms",
+        "serial fill ms",
+        "validate + fill ms",
+        "vs serial fill",
+        "vs validate + fill",
+        "check",
+        "bg",
+    ]
+    rows = []
+    for r in records:
+        s, sp = r["seconds"], r["speedup"]
+        rows.append(
+            [
+                str(r["k"]),
+                str(r["batch"]),
+                f"{100 * r['reasoning_share']:.0f}%",
+                f"{r['ends_in_window']:g}",
+                _ms(s["portable_spec"]),
+                _ms(s["serial_fill"]),
+                _ms(s["validate_fill"]),
+                _x(sp["serial_fill"]),
+                _x(sp["validate_fill"]),
+                "ok" if r.get("rows_identical") else "MISMATCH",
                 _bg(r),
             ]
         )

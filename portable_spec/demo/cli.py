@@ -50,6 +50,24 @@ def parser() -> argparse.ArgumentParser:
         "--branch", type=int, default=3, metavar="K", help="self drafter: top-k (default: 3)"
     )
     p.add_argument(
+        "--no-draft-mask",
+        action="store_true",
+        help="draft blind: do not mask the drafter with the grammar (nor graft the grammar's "
+        "forced continuation onto n-gram drafts); the grammar only masks the verify logits",
+    )
+    p.add_argument(
+        "--root-mask-only",
+        action="store_true",
+        help="self drafter: mask only the first level with the root's grammar row (known "
+        "before drafting: no per-level host round trip); deeper levels are drafted blind",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run plain constrained greedy decoding on the same prompt in this process "
+        "and print tokens/s, accepted tokens per step and the speed-up side by side",
+    )
+    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="skip the short warm-up generation (JAX compiles during the timed run then)",
@@ -96,6 +114,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--draft-layers must be between 1 and 30, got {args.draft_layers}")
     if args.branch < 1:
         raise UsageError(f"--branch must be at least 1, got {args.branch}")
+    if args.root_mask_only and (args.draft != "self" or args.no_draft_mask):
+        raise UsageError("--root-mask-only is a masking mode of --draft self")
+    if args.compare and args.no_spec:
+        raise UsageError(
+            "--compare compares a speculative mode with plain decoding: drop --no-spec"
+        )
 
 
 def _prompt_text(args: argparse.Namespace, constraint: Any) -> str:
@@ -115,9 +139,33 @@ def _drafter(args: argparse.Namespace) -> Any:
 
     if args.no_spec:
         return None
+    masked = not args.no_draft_mask
     if args.draft == "ngram":
-        return NgramDrafter(args.nodes)
-    return SelfDrafter(args.nodes, layers=args.draft_layers, branch=args.branch)
+        return NgramDrafter(args.nodes, masked=masked)
+    return SelfDrafter(
+        args.nodes,
+        layers=args.draft_layers,
+        branch=args.branch,
+        masked=masked,
+        root_only=args.root_mask_only,
+    )
+
+
+def _mask_mode(drafter: Any) -> str:
+    """The JSON record's ``draft_mask``: ``"levels"``, ``"root"`` or ``"off"``."""
+    if drafter is None or not drafter.masked:
+        return "off"
+    return "root" if getattr(drafter, "root_only", False) else "levels"
+
+
+def _mode(drafter: Any) -> str:
+    if drafter is None:
+        return "plain greedy"
+    if not drafter.masked:
+        return f"{drafter.name} drafter, blind"
+    if getattr(drafter, "root_only", False):
+        return f"{drafter.name} drafter, root-only mask"
+    return f"{drafter.name} drafter, grammar-aware"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     constraint = _constraint(args)
     from portable_spec.demo.engine import generate, required_max_len
     from portable_spec.demo.models import build_model, precision
-    from portable_spec.demo.report import progress_line, record, summary_line
+    from portable_spec.demo.report import compare_lines, progress_line, record, summary_line
     from portable_spec.demo.tokenizer import load_tokenizer
     from portable_spec.demo.weights import load_weights
 
@@ -141,11 +189,13 @@ def run(args: argparse.Namespace) -> int:
         )
     drafter = _drafter(args)
     nodes = drafter.nodes if drafter is not None else 1
+    modes = [None, drafter] if args.compare else [drafter]
     log = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
 
     def on_step(index: int, step: Any, tokens: list[int]) -> None:
         log(progress_line(index, step, len(tokens)))
 
+    runs = []
     with precision(args.backend, args.dtype):
         model = build_model(
             args.backend, args.dtype, required_max_len(len(prompt), args.max_new_tokens, nodes)
@@ -154,56 +204,97 @@ def run(args: argparse.Namespace) -> int:
         warmup_s = 0.0
         if not args.no_warmup:
             t0 = time.perf_counter()
-            generate(
-                model,
-                constraint.matcher(),
-                prompt,
-                max_new_tokens=min(4, args.max_new_tokens),
-                stop_ids=[tok.eos_id],
-                drafter=drafter,
-            )
+            for mode in modes:
+                generate(
+                    model,
+                    constraint.matcher(),
+                    prompt,
+                    max_new_tokens=min(4, args.max_new_tokens),
+                    stop_ids=[tok.eos_id],
+                    drafter=mode,
+                )
             warmup_s = time.perf_counter() - t0
         log(
             f"{args.backend} {args.dtype}, "
-            + (f"{drafter.name} drafter, {nodes} nodes" if drafter else "no speculation")
+            + (f"{_mode(drafter)}, {nodes} nodes" if drafter else "no speculation")
+            + (" (and plain greedy, --compare)" if args.compare else "")
             + f", prompt {len(prompt)} tokens (load {load_s:.1f} s, warm-up {warmup_s:.1f} s)"
         )
-        gen = generate(
-            model,
-            constraint.matcher(),
-            prompt,
-            max_new_tokens=args.max_new_tokens,
-            stop_ids=[tok.eos_id],
-            drafter=drafter,
-            on_step=on_step,
-        )
+        for mode in modes:
+            if args.compare:
+                log(f"-- {_mode(mode)}")
+            gen = generate(
+                model,
+                constraint.matcher(),
+                prompt,
+                max_new_tokens=args.max_new_tokens,
+                stop_ids=[tok.eos_id],
+                drafter=mode,
+                on_step=on_step,
+            )
+            runs.append(gen)
         model.close()
-    text = tok.decode(gen.tokens)
-    if gen.finished:
-        valid, detail = constraint.check(text)
-    else:
-        valid, detail = False, f"stopped at --max-new-tokens {args.max_new_tokens} before the end"
+    results = []
+    for gen in runs:
+        text = tok.decode(gen.tokens)
+        if gen.finished:
+            valid, detail = constraint.check(text)
+        else:
+            valid, detail = (
+                False,
+                f"stopped at --max-new-tokens {args.max_new_tokens} before the end",
+            )
+        results.append((gen, text, valid, detail))
+    common = {
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "nodes": nodes,
+        "grammar": constraint.kind,
+        "prompt_tokens": len(prompt),
+        "load_s": round(load_s, 3),
+        "warmup_s": round(warmup_s, 3),
+    }
+    gen, text, valid, detail = results[-1]
     if args.json:
-        out = record(
-            gen,
-            text,
-            backend=args.backend,
-            draft=drafter.name if drafter else "none",
-            dtype=args.dtype,
-            nodes=nodes,
-            grammar=constraint.kind,
-            prompt_tokens=len(prompt),
-            valid=valid,
-            validation=detail,
-            load_s=round(load_s, 3),
-            warmup_s=round(warmup_s, 3),
-        )
+        records = [
+            record(
+                g,
+                t,
+                draft=m.name if m else "none",
+                draft_mask=_mask_mode(m),
+                valid=v,
+                validation=d,
+                **common,
+            )
+            for (g, t, v, d), m in zip(results, modes, strict=True)
+        ]
+        if args.compare:
+            plain, spec = records
+            out = {
+                "compare": True,
+                "plain": plain,
+                "speculative": spec,
+                "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 4)
+                if plain["tokens_per_s"] > 0
+                else None,
+                "same_tokens": plain["tokens"] == spec["tokens"],
+                **common,
+            }
+        else:
+            out = records[0]
         print(json.dumps(out))
     else:
         print(text)
-        log(summary_line(gen))
+        if args.compare:
+            for line in compare_lines(
+                [(_mode(m), g) for m, (g, *_r) in zip(modes, results, strict=True)]
+            ):
+                log(line)
+        else:
+            log(summary_line(gen))
         log(f"output: {detail}")
-    return 1 if gen.finished and valid is False else 0
+    bad = any(g.finished and v is False for g, _t, v, _d in results)
+    return 1 if bad else 0
 
 
 def main(argv: list[str]) -> int:

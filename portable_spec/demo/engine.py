@@ -2,9 +2,13 @@
 
 One speculative step, in the order the library is designed for::
 
-    draft      drafter -> tree arrays (device or host) -> GrammarTree (its host copy starts)
+    draft      drafter -> tree arrays (device or host) -> GrammarTree (its host copy starts);
+               a grammar-aware drafter masks its own logits level by level with a
+               DraftSession, which already holds every node's row
     launch     target forward over every tree node, tree attention (asynchronous)
-    mask       build_grammar_vocab_mask over the tree: host work that overlaps the forward
+    mask       blind drafts: build_grammar_vocab_mask over the tree; grammar-aware drafts:
+               the session's verify_mask (the last level's rows, then one gather); host
+               work that overlaps the forward
     sample     apply_vocab_mask to every node's logits, argmax per node (waits for both)
     accept     longest root path whose tokens equal the parent's argmax, plus the bonus token
     commit     KV cache rows of the accepted path compacted to consecutive positions;
@@ -14,8 +18,8 @@ The plain path (``drafter=None``) is ordinary constrained greedy decoding: one t
 its mask filled straight from the xgrammar matcher (not through the library's tree builder),
 so it is an independent reference for the speculative path.
 
-The model is any object with the interface of ``portable_spec.backends.jax.model.JaxLlama``
-(``torch``: ``portable_spec.backends.cuda.model.TorchLlama``).
+The model is any object with the interface of ``portable_spec.demo.jax_model.JaxLlama``
+(``torch``: ``portable_spec.demo.torch_model.TorchLlama``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec import build_grammar_vocab_mask
-from portable_spec.demo.drafters import Draft, Drafter
+from portable_spec import build_grammar_vocab_mask, grammar_stats
+from portable_spec.demo.drafters import Draft, Drafter, GrammarContext
 
 __all__ = ["Generation", "StepReport", "accept_path", "generate", "required_max_len"]
 
@@ -41,10 +45,16 @@ class StepReport:
         tokens: the tokens this step committed (accepted drafts, then the bonus token).
         draft_ms: drafting until the tree arrays were on the host (the launch of the verify
             forward, which a device draft runs under, not counted).
-        mask_build_ms: the grammar mask build (after the tree was on the host).
+        mask_build_ms: the grammar mask build (after the tree was on the host): for a
+            grammar-aware draft, the session's verify mask (its last level's rows and the
+            gather).
         verify_ms: the target forward, from its launch (or the draft's arrival, whichever is
             later) until its logits were ready.
         hidden_ms: the part of ``mask_build_ms`` during which the forward was still running.
+        draft_nodes: drafted nodes of the verify tree (the root and padding not counted).
+        valid_nodes: those whose root path the grammar accepts (an end token included).
+        draft_mask_ms: host time a grammar-aware drafter spent on grammar rows while drafting
+            (part of ``draft_ms``; 0 for blind drafts).
     """
 
     tokens: list[int]
@@ -52,6 +62,9 @@ class StepReport:
     mask_build_ms: float
     verify_ms: float
     hidden_ms: float
+    draft_nodes: int = 0
+    valid_nodes: int = 0
+    draft_mask_ms: float = 0.0
 
 
 @dataclass
@@ -75,6 +88,16 @@ class Generation:
     def accepted_per_step(self) -> list[int]:
         """Tokens committed per step (accepted draft tokens + the bonus token)."""
         return [len(s.tokens) for s in self.steps]
+
+    @property
+    def draft_nodes_per_step(self) -> list[int]:
+        """Drafted nodes per step (0 without speculation)."""
+        return [s.draft_nodes for s in self.steps]
+
+    @property
+    def valid_nodes_per_step(self) -> list[int]:
+        """Grammar-valid drafted nodes per step."""
+        return [s.valid_nodes for s in self.steps]
 
     @property
     def mean_accepted(self) -> float:
@@ -240,14 +263,28 @@ def _spec_step(
 ) -> StepReport:
     """One speculative step (see the module docstring for the order)."""
     t_draft = time.perf_counter()
-    draft: Draft = drafter.draft(model, context, start)
+    grammar = GrammarContext(matcher, vocab, model.mask_device) if drafter.masked else None
+    draft: Draft = drafter.draft(model, context, start, grammar)
     t_drafted = time.perf_counter()  # host drafts are done; device drafts are queued
-    launch = model.launch(draft.tokens, draft.positions, start, draft.tree_mask)
-    t_launch = time.perf_counter()
-    next_token, next_sibling, tokens = draft.tree.resolve()  # waits for the draft only
-    t_tree = time.perf_counter()
-    mask = build_grammar_vocab_mask([matcher], draft.tree, vocab, device=model.mask_device)
-    t_mask = time.perf_counter()
+    session = draft.session
+    try:
+        launch = model.launch(draft.tokens, draft.positions, start, draft.tree_mask)
+        t_launch = time.perf_counter()
+        next_token, next_sibling, tokens = draft.tree.resolve()  # waits for the draft only
+        t_tree = time.perf_counter()
+        if session is not None:
+            mask = session.verify_mask(draft.select)  # no second walk: rows from drafting
+            valid = int(session.valid(draft.select)[0, 1:].sum())
+        else:
+            before = grammar_stats()
+            mask = build_grammar_vocab_mask([matcher], draft.tree, vocab, device=model.mask_device)
+            after = grammar_stats()
+            checked = after["checked_nodes"] - before["checked_nodes"]
+            valid = int(checked - (after["rejected_nodes"] - before["rejected_nodes"]))
+        t_mask = time.perf_counter()
+    finally:
+        if session is not None:
+            session.close()
     argmax = model.masked_argmax(launch.logits(), mask)
     finished_at = launch.wait()
     path = accept_path(next_token[0], next_sibling[0], tokens[0], argmax)
@@ -255,10 +292,15 @@ def _spec_step(
     src = np.full(drafter.nodes, path[-1], dtype=np.int64)  # static length; extras harmless
     src[: len(path)] = path
     model.commit(launch, src, start)
+    # every drafted node has exactly one incoming link
+    drafted = int((next_token[0] != -1).sum() + (next_sibling[0] != -1).sum())
     return StepReport(
         tokens=committed,
         draft_ms=((t_drafted - t_draft) + (t_tree - t_launch)) * 1e3,
         mask_build_ms=(t_mask - t_tree) * 1e3,
         verify_ms=(finished_at - max(t_launch, t_tree)) * 1e3,
         hidden_ms=max(0.0, min(t_mask, finished_at) - t_tree) * 1e3,
+        draft_nodes=drafted,
+        valid_nodes=valid,
+        draft_mask_ms=draft.grammar_ms,
     )

@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "VOCAB_FILE_ENV",
     "GGUFVocab",
+    "gguf_reader",
     "load_vocab",
     "read_vocab_file",
     "save_vocab",
@@ -86,6 +87,19 @@ class GGUFVocab:
         return tuple(i for i, t in enumerate(self.token_types) if t != 1)
 
 
+def gguf_reader(path: str) -> Any:
+    """The ``gguf.GGUFReader`` of ``path``, parsed once per process (the vocabulary and the
+    weights both come from it; parsing SmolLM2's metadata takes seconds)."""
+    return _reader(os.path.realpath(path))
+
+
+@lru_cache(maxsize=2)
+def _reader(path: str) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -102,9 +116,7 @@ def load_vocab(path: str | None = None) -> GGUFVocab:
         path = os.environ.get(VOCAB_FILE_ENV) or smollm2_gguf_path()
     if path.endswith(".json.gz"):
         return read_vocab_file(path)
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     return GGUFVocab(
         tokens=tuple(_field(reader, "tokenizer.ggml.tokens")),
         token_types=tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type")),

@@ -48,12 +48,12 @@ def build_model(backend: str, dtype: str, max_len: int, *, gguf_path: str | None
     _check(backend, dtype)
     weights = load_weights(gguf_path, dtype)
     if backend == "jax":
-        from portable_spec.backends.jax.model import JaxLlama
+        from portable_spec.demo.jax_model import JaxLlama
 
         return JaxLlama(weights, max_len=max_len)
     import torch
 
-    from portable_spec.backends.cuda.model import TorchLlama
+    from portable_spec.demo.torch_model import TorchLlama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return TorchLlama(weights, max_len=max_len, device=device)

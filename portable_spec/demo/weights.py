@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.demo.gguf_vocab import smollm2_gguf_path
+from portable_spec.demo.gguf_vocab import gguf_reader, smollm2_gguf_path
 
 __all__ = ["LAYER_KEYS", "LlamaConfig", "LlamaWeights", "load_weights"]
 
@@ -140,8 +140,9 @@ def load_weights(path: str | None = None, dtype: str = "float32") -> LlamaWeight
         dtype: ``"float32"`` or ``"float64"`` (the values are the same: dequantized blocks
             are exact in float32).
 
-    Takes a few seconds for SmolLM2, most of it parsing the GGUF's metadata (the float64
-    weights are widened from the cached float32 ones).
+    Takes a few seconds for SmolLM2, most of it parsing the GGUF's metadata, which is done
+    once per process (:func:`portable_spec.demo.gguf_vocab.gguf_reader`, shared with the
+    vocabulary); the float64 weights are widened from the cached float32 ones.
     """
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
@@ -159,9 +160,7 @@ def _load(path: str, dtype: str) -> LlamaWeights:
             layers={k: v.astype(np.float64) for k, v in w.layers.items()},
             dtype=np.dtype(np.float64),
         )
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     config = _config(reader)
     tensors = {t.name: t for t in reader.tensors}
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 __all__ = ["NO_STOP_IDS", "IdentityCache", "MatcherInfo"]
 
 NO_STOP_IDS = np.empty(0, dtype=np.int64)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class MatcherInfo:
     max_depth: int | None = None
 
 
-class IdentityCache:
-    """Per-object facts keyed by identity, dropped when the object dies.
+class IdentityCache(Generic[T]):
+    """Per-object facts (of type ``T``) keyed by identity, dropped when the object dies.
 
     xgrammar matchers define ``__eq__`` without ``__hash__``, so a ``WeakKeyDictionary``
     cannot hold them; they are tracked by weak reference. llguidance's and outlines-core's
@@ -47,11 +48,11 @@ class IdentityCache:
     _SWEEP_MIN = 64
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref[Any], MatcherInfo]] = {}
-        self._held: dict[int, tuple[Any, MatcherInfo]] = {}
+        self._entries: dict[int, tuple[weakref.ref[Any], T]] = {}
+        self._held: dict[int, tuple[Any, T]] = {}
         self._sweep_at = self._SWEEP_MIN
 
-    def get(self, obj: Any) -> MatcherInfo | None:
+    def get(self, obj: Any) -> T | None:
         held = self._held.get(id(obj))
         if held is not None:
             return held[1] if held[0] is obj else None
@@ -60,7 +61,7 @@ class IdentityCache:
             return None
         return entry[1]
 
-    def put(self, obj: Any, info: MatcherInfo) -> None:
+    def put(self, obj: Any, info: T) -> None:
         key = id(obj)
         entries = self._entries
 

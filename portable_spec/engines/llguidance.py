@@ -41,7 +41,7 @@ __all__ = [
     "walk_llguidance",
 ]
 
-_cache = IdentityCache()
+_cache: IdentityCache[MatcherInfo] = IdentityCache()
 _ENDED = "EndOfSentence"
 
 
@@ -197,6 +197,7 @@ def fill_llguidance_chains(
     vocab_size: int,
     counts: np.ndarray,
     threads: int,
+    live: np.ndarray | None = None,
 ) -> np.ndarray:
     """Write the rows of chain requests (node ``i``'s only child is ``i + 1``) whose matchers
     have bitmask width ``width``, in one call of llguidance's executor.
@@ -209,6 +210,7 @@ def fill_llguidance_chains(
         vocab_size: the model's vocabulary size.
         counts: int64 ``[batch, 2]``: ``(checked, refused)`` draft nodes, set per request.
         threads: the executor's thread count.
+        live: optional bool ``[batch * nodes]``; the live nodes' rows are set True.
 
     Returns:
         int64 ``[len(matchers)]``, in the order of ``matchers``: how many leading nodes of
@@ -253,15 +255,17 @@ def fill_llguidance_chains(
         )
     for matcher, first in lone:  # the executor wants drafts: a lone start row directly
         matcher.unsafe_compute_mask_ptr(target[first].ctypes.data, width * 4)
-    live = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
+    live_drafts = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
     # live nodes per request: the root and its live drafts (none when terminated)
-    alive = np.where(ended, 0, live + 1)
+    alive = np.where(ended, 0, live_drafts + 1)
     kept = np.arange(nodes)[None, :] < alive[:, None]
     out_rows = np.asarray(requests)[:, None] * nodes + np.arange(nodes)
     if not direct:
         mask[out_rows[kept], :width] = target[rows[kept]]
         mask[out_rows[kept], width:] = 0
     mask[out_rows[~kept]] = -1
+    if live is not None:
+        live[out_rows[kept]] = True
     counts[requests] = _chain_counts(mask, out_rows, tokens, alive, limit)
     return alive
 
@@ -275,11 +279,11 @@ def _chain_counts(
     if nodes == 1:
         return np.zeros((count, 2), dtype=np.int64)
     checked = np.minimum(alive, nodes - 1)
-    position = np.minimum(alive, nodes - 1)  # draft index of the first non-live node
-    stop = tokens[np.arange(count), np.maximum(position - 1, 0)]
-    parent = mask[out_rows[np.arange(count), np.maximum(position - 1, 0)]]
+    first_out = np.maximum(np.minimum(alive, nodes - 1) - 1, 0)  # draft index of the first
+    stop = tokens[np.arange(count), first_out]  # non-live node (its parent: node first_out)
     safe = np.clip(stop, 0, limit - 1)
-    allowed = (parent[np.arange(count), safe >> 5] >> (safe & 31)) & 1
+    word = mask[out_rows[np.arange(count), first_out], safe >> 5]
+    allowed = (word >> (safe & 31)) & 1
     refused = (alive > 0) & (alive < nodes) & ((stop < 0) | (stop >= limit) | (allowed == 0))
     return np.stack([checked, refused.astype(np.int64)], axis=1)
 
@@ -314,21 +318,21 @@ def _live_drafts(
     if sparse.any():  # an end token's row has at most END_ROW_MAX_WORDS non-zero words
         where = np.nonzero(sparse)
         sample = np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
-        dense = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
-        sparse[where] = dense <= END_ROW_MAX_WORDS
-    suspects = np.argwhere((intact | sparse) & before_stop)
-    for k, i in suspects:
+        candidate = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
+        candidate = candidate <= END_ROW_MAX_WORDS
+        sparse[where] = candidate
+        if candidate.any():  # confirm on whole rows
+            rows_left = own_rows[where][candidate]
+            full = np.count_nonzero(target[rows_left], axis=1) <= END_ROW_MAX_WORDS
+            sparse[where[0][candidate], where[1][candidate]] = full
+    for k, i in np.argwhere((intact | sparse) & before_stop).tolist():
         if ended[k] or i >= live[k]:
             continue
         matcher = matchers[requests[k]]
         path = tokens[k, : i + 1].tolist()
         if intact[k, i] and _stopped_at(matcher, path[:-1]):
             live[k] = i  # an end token after a complete grammar: nothing written
-        elif (
-            sparse[k, i]
-            and np.count_nonzero(target[own_rows[k, i]]) <= END_ROW_MAX_WORDS
-            and _ends(matcher, path)
-        ):
+        elif sparse[k, i] and _ends(matcher, path):
             live[k] = i  # an end token: its row holds the end tokens only
     return live
 

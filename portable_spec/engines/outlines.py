@@ -35,7 +35,7 @@ from portable_spec.engines.base import IdentityCache, MatcherInfo
 
 __all__ = ["STATE_ROWS_BUDGET", "StateRows", "is_guide", "probe_outlines", "walk_outlines"]
 
-_cache = IdentityCache()
+_cache: IdentityCache[MatcherInfo] = IdentityCache()
 _MAX_ROLLBACK_IN_MESSAGE = re.compile(r"max_rollback\s*=\s*(\d+)")
 
 

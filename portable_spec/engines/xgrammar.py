@@ -11,7 +11,7 @@ from portable_spec.engines.base import IdentityCache, MatcherInfo
 
 __all__ = ["probe_xgrammar", "walk_xgrammar"]
 
-_cache = IdentityCache()
+_cache: IdentityCache[MatcherInfo] = IdentityCache()
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 

@@ -10,10 +10,12 @@ verify tree, a prompt chunk or one token) attends to
 
 and returns the new tokens' keys/values separately; :meth:`JaxLlama.commit` then copies the
 accepted ones into the cache (donated, so no copy of the cache is made). The same layer code
-drives the self-speculative drafter (:meth:`JaxLlama.draft_tree`): the first layers plus the
-head, expanding a top-k tree on the device.
+drives the self-speculative drafter: the first layers plus the head, expanding a top-k tree
+either all on the device (:meth:`JaxLlama.draft_tree`, no grammar) or one level per call
+(:meth:`JaxLlama.draft_level`, the level's logits masked by the grammar rows of its nodes
+before the top-k; the host picks the next level between calls).
 
-The torch twin is ``portable_spec.backends.cuda.model`` (same methods, same arguments).
+The torch twin is ``portable_spec.demo.torch_model`` (same methods, same arguments).
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from portable_spec import apply_vocab_mask
 from portable_spec.demo.weights import LlamaConfig, LlamaWeights
-
-from .apply import apply_vocab_mask_jax
 
 __all__ = ["JaxLaunch", "JaxLlama"]
 
@@ -181,7 +182,39 @@ def _commit(
 
 @jax.jit
 def _masked_argmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.argmax(apply_vocab_mask_jax(logits, mask), axis=-1)
+    return jnp.argmax(apply_vocab_mask(logits, mask), axis=-1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "branch", "n_layers"), donate_argnums=(3, 4))
+def _draft_level(
+    params: Params,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    tree_k: jax.Array,
+    tree_v: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    start: jax.Array,
+    slots: jax.Array,
+    anc: jax.Array,
+    mask: jax.Array | None,
+    cfg: LlamaConfig,
+    branch: int,
+    n_layers: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One level of the self drafter: run the frontier ``[F]`` through the first ``n_layers``
+    layers and the head, mask each row's logits with its grammar row (``mask`` ``[F, words]``,
+    or None), and return the top ``branch`` log-probabilities (renormalised over the allowed
+    tokens) and tokens, with the updated shallow keys/values."""
+    x = params["embed"][tokens]
+    x, tree_k, tree_v = _layers(
+        params, x, positions, cache_k, cache_v, start, tree_k, tree_v, slots, anc, cfg, n_layers
+    )
+    logits = _head(params, x, cfg)
+    if mask is not None:
+        logits = apply_vocab_mask(logits, mask)
+    top_lp, top_tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), branch)
+    return top_lp, top_tok, tree_k, tree_v
 
 
 def _tree_links(parent: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -208,6 +241,7 @@ def _draft_tree(
     nodes: int,
     branch: int,
     n_layers: int,
+    root_mask: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Grow a ``nodes``-node tree from ``root`` with the first ``n_layers`` layers + the head.
 
@@ -215,6 +249,8 @@ def _draft_tree(
     model (attending to the cache and to its ancestors' shallow keys), each proposes its top
     ``branch`` tokens, and the ``branch`` candidates with the highest cumulative
     log-probability become the next frontier. Node ids follow creation order (parents first).
+    ``root_mask`` (int32 ``[1, words]``, optional): the root's grammar row, applied to the
+    first level's logits only (root-only masking: no host round trip).
     """
     dt = params["embed"].dtype
     tokens = jnp.zeros((nodes,), jnp.int32).at[0].set(root.astype(jnp.int32))
@@ -243,7 +279,10 @@ def _draft_tree(
             cfg,
             n_layers,
         )
-        logp = jax.nn.log_softmax(_head(params, x, cfg), axis=-1)  # [F, V]
+        logits = _head(params, x, cfg)
+        if added == 1 and root_mask is not None:
+            logits = apply_vocab_mask(logits, root_mask)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # [F, V]
         top_lp, top_tok = jax.lax.top_k(logp, branch)  # [F, branch]
         cand = (score[f][:, None] + top_lp).reshape(-1)
         take = min(branch, nodes - added, cand.shape[0])
@@ -304,6 +343,8 @@ class JaxLlama:
     """
 
     framework = "jax"
+    #: jitted: every distinct input shape compiles (drafters pad to few shapes)
+    static_shapes = True
 
     def __init__(self, weights: LlamaWeights, *, max_len: int, device: Any = None) -> None:
         self.config = weights.config
@@ -405,7 +446,14 @@ class JaxLlama:
         )
 
     def draft_tree(
-        self, root: int, start: int, *, nodes: int, branch: int, layers: int
+        self,
+        root: int,
+        start: int,
+        *,
+        nodes: int,
+        branch: int,
+        layers: int,
+        root_mask: Any = None,
     ) -> dict[str, jax.Array]:
         """Self-speculative draft tree, built on the device without blocking.
 
@@ -414,6 +462,8 @@ class JaxLlama:
             start: its position (= committed tokens in the cache).
             nodes: tree size ``N``; branch: children proposed per frontier node (top-k);
             layers: how many of the first layers the drafter runs before the head.
+            root_mask: optional int32 ``[1, words]`` grammar row of the root, applied to the
+                first level's logits (root-only masking).
 
         Returns:
             ``jax.Array`` s: ``next_token``, ``next_sibling``, ``tokens`` (int32 ``[N]``),
@@ -431,7 +481,64 @@ class JaxLlama:
             nodes,
             branch,
             layers,
+            root_mask,
         )
+
+    def draft_start(self, *, slots: int, layers: int) -> dict[str, jax.Array]:
+        """Shallow key/value buffers for a draft of ``slots`` tree slots (the nodes, plus one
+        scratch slot for padding rows), for :meth:`draft_level`."""
+        cfg = self.config
+        shape = (layers, slots, cfg.n_kv_heads, cfg.head_dim)
+        return {
+            "tree_k": jax.device_put(jnp.zeros(shape, self.dtype), self.device),
+            "tree_v": jax.device_put(jnp.zeros(shape, self.dtype), self.device),
+        }
+
+    def draft_level(
+        self,
+        state: dict[str, jax.Array],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        start: int,
+        slots: np.ndarray,
+        anc: np.ndarray,
+        mask: Any,
+        *,
+        branch: int,
+        layers: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One level of the self drafter (blocks for its result).
+
+        Args:
+            state: from :meth:`draft_start` (its buffers are updated).
+            tokens, positions, slots: int ``[F]``: each frontier row's token, position and
+                tree slot (padding rows: any token, the scratch slot).
+            start: committed tokens in the cache.
+            anc: bool ``[F, slots]``: the tree slots each row attends to (ancestors and
+                itself).
+            mask: int32 ``[F, words]`` grammar rows on this device, or None.
+            branch: candidates per row; layers: layers run before the head.
+
+        Returns:
+            ``(logp, tokens)``: float64 and int64 ``[F, branch]`` host arrays.
+        """
+        lp, tok, state["tree_k"], state["tree_v"] = _draft_level(
+            self.params,
+            self.cache_k,
+            self.cache_v,
+            state["tree_k"],
+            state["tree_v"],
+            np.asarray(tokens, np.int32),
+            np.asarray(positions, np.int32),
+            np.int32(start),
+            np.asarray(slots, np.int32),
+            np.asarray(anc, bool),
+            mask,
+            self.config,
+            branch,
+            layers,
+        )
+        return np.asarray(lp, np.float64), np.asarray(tok, np.int64)
 
     def to_host(self, array: Any) -> np.ndarray:
         """Blocking copy of a device array to numpy."""

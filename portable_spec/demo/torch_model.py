@@ -1,11 +1,13 @@
 """The demo's Llama decoder in torch: forward with a KV cache and tree attention.
 
-The torch twin of ``portable_spec.backends.jax.model`` (same class interface, same math):
+The torch twin of ``portable_spec.demo.jax_model`` (same class interface, same math):
 a forward over ``M`` new tokens attends to the cache's first ``ctx_len`` positions and to the
 new tokens through an ``[M, M]`` tree mask, returns the new keys/values separately, and
 :meth:`TorchLlama.commit` copies the accepted ones into the cache in place. The
-self-speculative drafter (:meth:`TorchLlama.draft_tree`) runs the first layers plus the head
-and expands a top-k tree with tensor ops only (no host synchronization on accelerators).
+self-speculative drafter runs the first layers plus the head and expands a top-k tree with
+tensor ops only (:meth:`TorchLlama.draft_tree`, no host synchronization on accelerators), or
+one level per call with the level's logits masked by its grammar rows
+(:meth:`TorchLlama.draft_level`).
 
 On an accelerator the forward is asynchronous by nature (kernels are queued). On the CPU,
 torch runs ops eagerly, so :meth:`TorchLlama.launch` runs the forward on a worker thread:
@@ -23,9 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from portable_spec import apply_vocab_mask
+from portable_spec.backends.cuda.devices import current_stream_event
 from portable_spec.demo.weights import LlamaConfig, LlamaWeights
-
-from .devices import current_stream_event
 
 __all__ = ["TorchLaunch", "TorchLlama"]
 
@@ -113,6 +115,8 @@ class TorchLlama:
     """
 
     framework = "torch"
+    #: eager: any input shape runs as it is
+    static_shapes = False
 
     def __init__(self, weights: LlamaWeights, *, max_len: int, device: Any = None) -> None:
         self.config = weights.config
@@ -242,13 +246,11 @@ class TorchLlama:
         """Greedy token of each row after the grammar mask (``apply_vocab_mask``, in place on
         ``logits``); blocks. ``mask``: int32 ``[M, words]`` tensor or numpy. Returns int64
         ``[M]``."""
-        from .apply import apply_vocab_mask_torch
-
         with torch.inference_mode():
             if mask is not None:
                 if isinstance(mask, np.ndarray):
                     mask = torch.from_numpy(np.array(mask, copy=True)).to(self.device)
-                apply_vocab_mask_torch(logits, mask)
+                apply_vocab_mask(logits, mask)
             return torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
 
     def _commit(self, tree_k: torch.Tensor, tree_v: torch.Tensor, src: Any, dst: int) -> None:
@@ -266,13 +268,22 @@ class TorchLlama:
         self._commit(launch.tree_k, launch.tree_v, src, dst)
 
     def draft_tree(
-        self, root: int, start: int, *, nodes: int, branch: int, layers: int
+        self,
+        root: int,
+        start: int,
+        *,
+        nodes: int,
+        branch: int,
+        layers: int,
+        root_mask: Any = None,
     ) -> dict[str, torch.Tensor]:
         """Self-speculative draft tree from the first ``layers`` layers plus the head.
 
         Same algorithm and outputs as ``JaxLlama.draft_tree``: level by level, each frontier
         node proposes its top ``branch`` tokens and the ``branch`` candidates with the best
         cumulative log-probability become the next frontier; node ids follow creation order.
+        ``root_mask`` (int32 ``[1, words]``, optional): the root's grammar row, applied to the
+        first level's logits only.
 
         Returns:
             tensors on the model's device: ``next_token``, ``next_sibling``, ``tokens`` (int32
@@ -307,7 +318,10 @@ class TorchLlama:
                     anc[frontier],
                     layers,
                 )
-                logp = torch.log_softmax(self._head(x), dim=-1)
+                logits = self._head(x)
+                if added == 1 and root_mask is not None:
+                    apply_vocab_mask(logits, root_mask)
+                logp = torch.log_softmax(logits, dim=-1)
                 top_lp, top_tok = torch.topk(logp, branch, dim=-1)
                 cand = (score[frontier][:, None] + top_lp).reshape(-1)
                 take = min(branch, nodes - added, cand.shape[0])
@@ -333,6 +347,52 @@ class TorchLlama:
             "positions": start + depth,
             "tree_mask": anc,
         }
+
+    def draft_start(self, *, slots: int, layers: int) -> dict[str, torch.Tensor]:
+        """Shallow key/value buffers for a draft of ``slots`` tree slots (the nodes, plus one
+        scratch slot for padding rows), for :meth:`draft_level`."""
+        cfg = self.config
+        shape = (layers, slots, cfg.n_kv_heads, cfg.head_dim)
+        return {
+            "tree_k": torch.zeros(shape, dtype=self._torch_dtype, device=self.device),
+            "tree_v": torch.zeros(shape, dtype=self._torch_dtype, device=self.device),
+        }
+
+    def draft_level(
+        self,
+        state: dict[str, torch.Tensor],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        start: int,
+        slots: np.ndarray,
+        anc: np.ndarray,
+        mask: Any,
+        *,
+        branch: int,
+        layers: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One level of the self drafter; same arguments and results as
+        ``JaxLlama.draft_level`` (blocks for its result)."""
+        with torch.inference_mode():
+            x = self.params["embed"][self._tensor(tokens, torch.long)]
+            x = self._layers(
+                x,
+                self._tensor(positions, torch.long),
+                start,
+                state["tree_k"],
+                state["tree_v"],
+                self._tensor(slots, torch.long),
+                self._tensor(anc, torch.bool),
+                layers,
+            )
+            logits = self._head(x)
+            if mask is not None:
+                apply_vocab_mask(logits, mask)
+            top_lp, top_tok = torch.topk(torch.log_softmax(logits, dim=-1), branch, dim=-1)
+            return (
+                top_lp.cpu().numpy().astype(np.float64),
+                top_tok.cpu().numpy().astype(np.int64),
+            )
 
     def to_host(self, array: Any) -> np.ndarray:
         """Blocking copy of a tensor to numpy."""

@@ -1,0 +1,888 @@
+"""Grammar-aware drafting: masks for a draft tree that grows level by level.
+
+A drafter that grows its tree level by level (EAGLE's top-k expansion, a beam, a trie walked
+by depth) asks at every level "what may follow this node?": exactly the rows the verify mask
+needs. :class:`DraftSession` answers that question once per node, for a whole batch:
+
+::
+
+    with ps.DraftSession(matchers, vocab, device=dev) as session:
+        rows = session.root_mask()                    # [batch, words]: no device sync
+        for level in range(depth):
+            logits = ps.apply_vocab_mask(draft_logits, rows)
+            parents, tokens = pick(logits)            # [batch, k] each, host or device
+            rows = session.extend(parents, tokens)    # [batch * k, words]: the new nodes
+        mask = session.verify_mask(select)            # the verify tree's mask, no second walk
+
+Node ids: the root is node 0; the ``k`` nodes of a level get the next ``k`` ids, the same
+for every request (``session.nodes`` before the call is the first). A parent of -1 marks a
+padding slot (no node: all-allowed row, never valid).
+
+Each live node's grammar state is kept (a matcher fork for xgrammar, llguidance and protocol
+matchers with ``fork()``; see :mod:`portable_spec.draftstates` for matchers that cannot
+fork), so a level costs work proportional to its new nodes, and the session's matchers are
+never moved. What is kept is released by :meth:`DraftSession.close` (the ``with`` block's
+end, also when it raises).
+
+The rows follow the row contract of :func:`portable_spec.build_host_bitmask`, node by node:
+the verify mask of any subtree of the drafted tree (:meth:`DraftSession.verify_mask`) is
+bit-identical to :func:`portable_spec.build_grammar_vocab_mask` on that subtree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from numbers import Integral
+from typing import Any
+
+import numpy as np
+
+from portable_spec.api import _arrange, _check_capacity, _check_layout
+from portable_spec.backend import Backend, MaskLayout
+from portable_spec.builder import ALL_ALLOWED, PARALLEL_MIN_NODES, check_vocab_size
+from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates, node_states
+from portable_spec.errors import MatcherError
+from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
+from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.pool import WorkItemError, run_indexed
+from portable_spec.registry import backend_for, get_backend
+from portable_spec.tree import GrammarTree
+
+__all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
+
+# The session's host copy of every node's row, reused from session to session (a fresh
+# multi-megabyte block per step costs page faults).
+_stores = HostBufferPool(max_free=4)
+
+
+def _is_integer(dtype: Any) -> bool:
+    return np.dtype(dtype).kind in "iu"
+
+
+def _to_host(name: str, array: Any) -> np.ndarray:
+    """A host numpy view of a host array (numpy, list, host tensor); device arrays raise."""
+    if isinstance(array, np.ndarray):
+        return array
+    if isinstance(array, (list, tuple, np.generic)):
+        host = np.asarray(array)
+        return host.astype(np.int64) if host.size == 0 else host
+    try:
+        return backend_for(array).to_host(array)
+    except TypeError as exc:
+        raise TypeError(f"{name} must be a host array: {exc}") from exc
+
+
+class _Staged:
+    """One level's (or selection's) arrays whose host copy may be in flight."""
+
+    def __init__(self, arrays: Sequence[Any], names: Sequence[str], batch: int) -> None:
+        self.names = tuple(names)
+        hosts: list[Any] = []
+        infos = []
+        for name, array in zip(names, arrays, strict=True):
+            if isinstance(array, (list, tuple)):
+                array = np.asarray(array)
+                if array.size == 0:
+                    array = array.astype(np.int64)
+            backend = backend_for(array)
+            try:
+                info = backend.array_info(array)
+            except ValueError as exc:  # a JAX array deleted (donated) before staging
+                raise ValueError(f"{name}: {exc}") from exc
+            if not info.is_integer:
+                raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
+            shape = tuple(info.shape)
+            if len(shape) == 1 and batch == 1:
+                shape = (1, shape[0])
+            if len(shape) != 2 or shape[0] != batch:
+                raise ValueError(
+                    f"{name} must be [batch, k] with batch = {batch} (a 1-D [k] array for "
+                    f"batch 1), got shape {tuple(info.shape)}"
+                )
+            if shape[1] < 1:
+                raise ValueError(f"{name} has no columns (shape {tuple(info.shape)})")
+            infos.append(shape)
+            hosts.append((backend, array))
+        if any(s != infos[0] for s in infos[1:]):
+            raise ValueError(
+                f"{names[0]} has shape {infos[0]} but {names[1]} has shape {infos[1]}; "
+                "they must have the same shape"
+            )
+        self.shape: tuple[int, int] = infos[0]
+        self._handles = []
+        for backend, array in hosts:  # started now: the copies overlap what follows
+            self._handles.append(backend.stage([array]))
+
+    def resolve(self) -> list[np.ndarray]:
+        """Wait for the copies; C-contiguous int64 ``[batch, k]`` arrays."""
+        out = []
+        for handle in self._handles:
+            (host,) = handle.resolve()
+            if host.dtype.kind == "u" and host.dtype.itemsize == 8:
+                host = host.view(np.int64)
+            out.append(np.array(host.reshape(self.shape), dtype=np.int64, order="C", copy=True))
+        return out
+
+
+class _DraftVocab:
+    """An EAGLE-3 style draft vocabulary: draft token ``i`` is target token ``d2t[i]``."""
+
+    def __init__(self, d2t: Any, vocab_size: int) -> None:
+        host = _to_host("d2t", d2t)
+        if not _is_integer(host.dtype):
+            raise TypeError(f"d2t must have an integer dtype, got {host.dtype}")
+        if host.ndim != 1 or host.size == 0:
+            raise ValueError(f"d2t must be a non-empty 1-D [draft_vocab] array, got {host.shape}")
+        ids = host.astype(np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            raise ValueError(
+                f"d2t[{int(bad[0])}] = {int(ids[bad[0]])} is not a target token id "
+                f"(0 <= id < vocab_size = {vocab_size}); d2t holds target ids, not offsets "
+                "(EAGLE-3 checkpoints store offsets: pass d2t + arange(len(d2t)))"
+            )
+        self.size = int(ids.size)
+        self.words = words_for(self.size)
+        # bit t of a little-endian row is bit t % 8 of byte t // 8
+        self._byte = (ids >> 3).astype(np.intp)
+        self._shift = (ids & 7).astype(np.uint8)
+
+    def convert(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Target-vocabulary rows ``[n, W]`` -> draft-vocabulary rows ``out`` ``[n, Wd]``.
+
+        Bit ``i`` of a draft row is bit ``d2t[i]`` of the target row (vectorized: one gather
+        of ``n * draft_vocab`` bytes, no loop over tokens; about 20 us per row for a 32000-token
+        draft vocabulary on one core of the development machine). All-allowed rows stay all-allowed;
+        a row allowing no draft token (the grammar wants a token outside the draft
+        vocabulary) becomes all-allowed too, so that no drafter softmax row is all ``-inf``.
+        """
+        out.fill(ALL_ALLOWED)
+        if rows.shape[0] == 0:
+            return
+        real = np.flatnonzero((rows != ALL_ALLOWED).any(axis=1))
+        if real.size == 0:
+            return
+        little = rows[real].astype("<i4", copy=False).view(np.uint8)  # [r, 4 * W] bytes
+        bits = np.take(little, self._byte, axis=1)  # [r, draft_vocab] uint8
+        np.right_shift(bits, self._shift, out=bits)
+        np.bitwise_and(bits, 1, out=bits)
+        packed = np.packbits(bits, axis=1, bitorder="little")
+        words = np.zeros((real.size, self.words * 4), dtype=np.uint8)
+        words[:, : packed.shape[1]] = packed
+        converted = words.view("<i4").astype(np.int32, copy=False)
+        empty = ~converted.any(axis=1)
+        converted[empty] = ALL_ALLOWED
+        out[real] = converted
+
+
+class DraftSession:
+    """Grammar masks for a batch of draft trees grown level by level.
+
+    Args:
+        grammars: one entry per request, as for :func:`portable_spec.build_grammar_vocab_mask`:
+            ``None``, an ``xgrammar.GrammarMatcher``, an ``llguidance.LLMatcher``, an
+            ``outlines_core.Guide`` or a :class:`portable_spec.GrammarMatcherLike`, each in the
+            state after the request's committed tokens (the root's token included). They are
+            never moved by xgrammar, llguidance and protocol matchers with a ``fork()``; the
+            others are moved inside a call and restored before it returns. Do not move them
+            while the session is open.
+        vocab_size: the target model's vocabulary size (the verify logits' width).
+        device: where masks go: a ``torch.device``, a ``jax.Device`` or ``jax.sharding.Sharding``
+            (its backend is found from it), a device string together with ``backend``, or
+            ``None`` for numpy host arrays (or the default device of ``backend``).
+        backend: a backend name (``"numpy"``, ``"torch"``/``"cuda"``, ``"jax"``) or object;
+            default: the backend of ``device``.
+        d2t: optional host int ``[draft_vocab]`` map from the drafter's vocabulary to target
+            token ids (EAGLE-3's reduced draft vocabulary). The rows of :meth:`root_mask` and
+            :meth:`extend` are then in the draft vocabulary (``ceil(draft_vocab / 32)``
+            words); tokens passed to :meth:`extend` and the verify mask stay in the target
+            vocabulary.
+        max_nodes: expected tree size (nodes per request, root included): the host storage
+            is sized for it and grows when a tree gets larger.
+
+    Raises:
+        TypeError, ValueError: bad grammars, vocabulary, device or ``d2t``.
+        MatcherError: a matcher raised while the root rows were filled.
+
+    The constructor fills the root rows on the host (one fill per constrained request); it
+    never waits for a device. Use the session from one thread at a time.
+    """
+
+    def __init__(
+        self,
+        grammars: Sequence[Any],
+        vocab_size: int,
+        *,
+        device: Any = None,
+        backend: str | Backend | None = None,
+        d2t: Any = None,
+        max_nodes: int = 64,
+    ) -> None:
+        self.vocab_size = check_vocab_size(vocab_size)
+        if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
+            raise TypeError(
+                "grammars must be a sequence with one entry per request, got "
+                f"{type(grammars).__name__}"
+            )
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, Integral) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
+        self.batch = len(grammars)
+        if self.batch == 0:
+            raise ValueError("a draft session needs at least one request")
+        self._backend, self._placement = _resolve_target(device, backend)
+        self._draft = None if d2t is None else _DraftVocab(d2t, self.vocab_size)
+        kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
+        self.words = words_for(self.vocab_size)
+        self._kinds = kinds
+        self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
+        self._limits = np.zeros(self.batch, dtype=np.int64)
+        for b in self._constrained:
+            self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
+        self._closed = False
+        self._nodes = 1
+        self._levels = 0
+        self._pending: list[tuple[int, _Staged]] = []
+        self.timings = {"levels": 0, "wait_s": 0.0, "grammar_s": 0.0, "upload_s": 0.0}
+        self._capacity = 0
+        self._store: HostBuffer | None = None
+        self._grow(int(max_nodes))
+        self._states: list[NodeStates | None] = [None] * self.batch
+        started = time.perf_counter()
+        rows = self._rows
+        rows[:, 0] = ALL_ALLOWED
+        self._parents[:, 0] = -1
+        self._tokens[:, 0] = 0
+        self._depth[:, 0] = 0
+        self._valid[:, 0] = True
+        self._live[:, 0] = True
+        try:
+            for b in self._constrained:
+                states = node_states(kinds[b], grammars[b], infos[b], self.words)  # type: ignore[arg-type]
+                self._states[b] = states
+                try:
+                    alive = states.start(rows[b])
+                except BaseException as exc:
+                    raise MatcherError(b, exc) from exc
+                if not alive:
+                    rows[b, 0] = ALL_ALLOWED
+                    self._live[b, 0] = False
+        except BaseException:
+            self.close()
+            raise
+        self.timings["grammar_s"] += time.perf_counter() - started
+
+    # -- storage ------------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        """Make room for ``capacity`` nodes per request (keeps what is stored)."""
+        if capacity <= self._capacity:
+            return
+        capacity = max(capacity, 2 * self._capacity)
+        store = _stores.acquire((self.batch, capacity, self.words), np.int32)
+        parents = np.full((self.batch, capacity), -1, dtype=np.int64)
+        tokens = np.zeros((self.batch, capacity), dtype=np.int64)
+        depth = np.zeros((self.batch, capacity), dtype=np.int64)
+        valid = np.zeros((self.batch, capacity), dtype=bool)
+        live = np.zeros((self.batch, capacity), dtype=bool)
+        if self._store is not None:
+            n = self._capacity
+            store.array[:, :n] = self._rows[:, :n]
+            parents[:, :n] = self._parents[:, :n]
+            tokens[:, :n] = self._tokens[:, :n]
+            depth[:, :n] = self._depth[:, :n]
+            valid[:, :n] = self._valid[:, :n]
+            live[:, :n] = self._live[:, :n]
+            _stores.release(self._store)
+        self._store = store
+        self._rows = store.array
+        self._parents, self._tokens, self._depth = parents, tokens, depth
+        self._valid, self._live = valid, live
+        self._capacity = capacity
+
+    # -- the public state ---------------------------------------------------------------------
+    @property
+    def nodes(self) -> int:
+        """Nodes per request so far, the root and levels submitted with ``masks=False``
+        included (padding slots count as nodes)."""
+        return self._nodes
+
+    @property
+    def levels(self) -> int:
+        """Levels added so far."""
+        return self._levels
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the masks are uploaded with."""
+        return self._backend
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """The drafter's vocabulary size (``len(d2t)``, else ``vocab_size``)."""
+        return self.vocab_size if self._draft is None else self._draft.size
+
+    def __enter__(self) -> DraftSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the kept grammar states and host storage. Idempotent. Masks already
+        returned stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        for states in self._states if hasattr(self, "_states") else ():
+            if states is not None:
+                states.close()
+        if self._store is not None:
+            _stores.release(self._store)
+            self._store = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DraftSession is closed")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._nodes} nodes, {self._levels} levels"
+        return (
+            f"DraftSession(batch={self.batch}, vocab_size={self.vocab_size}, "
+            f"backend={self._backend.name!r}, {state})"
+        )
+
+    # -- rows for the drafter -----------------------------------------------------------------
+    def root_mask(self, *, row_capacity: int | None = None) -> Any:
+        """The root rows: int32 ``[batch, words]`` on the session's device, one row per request
+        (the grammar's mask after the committed tokens), to apply to the drafter's first
+        logits. ``words`` is ``ceil(draft_vocab / 32)`` with ``d2t``, else
+        ``ceil(vocab_size / 32)``.
+
+        Returns ``None`` when no request has a grammar, unless ``row_capacity`` is given or
+        the placement spans several processes (then an all-allowed mask of that shape, as
+        :func:`portable_spec.build_grammar_vocab_mask` does). Needs no device synchronization:
+        the rows were filled on the host when the session started; the upload is started
+        without blocking.
+        """
+        self._check_open()
+        return self._deliver(
+            self._rows[:, :1], self._layout(1, row_capacity, draft=True), draft=True
+        )
+
+    def extend(
+        self, parents: Any, tokens: Any, *, masks: bool = True, row_capacity: int | None = None
+    ) -> Any:
+        """Add a level of nodes and return their rows.
+
+        Args:
+            parents: int ``[batch, k]`` (``[k]`` for batch 1): the parent of each new node, an
+                existing node id (``0 <= parent < session.nodes``, not a padding slot), or -1
+                for a padding slot. Host or device array (torch, JAX, numpy, lists).
+            tokens: int ``[batch, k]``: each new node's draft token (target vocabulary ids;
+                any value: ids outside the vocabulary are rejected nodes, as in a verify
+                tree). Same framework rules as ``parents``.
+            masks: False to add the level without computing or returning its rows now: the
+                arrays' host copies are started and the rows are computed on the next call
+                that needs them (a later :meth:`extend`, :meth:`verify_mask`, ...). Use it for
+                the last level, whose rows only the verify mask needs: call it before
+                launching the verify forward and :meth:`verify_mask` after, so that the
+                grammar work overlaps the forward.
+            row_capacity: rows of the returned mask (all-allowed padding), as for
+                :func:`portable_spec.build_grammar_vocab_mask`.
+
+        Returns:
+            With ``masks``: int32 ``[batch * k, words]`` (``row_capacity`` rows if given) on the
+            session's device, row ``b * k + j`` for new node ``j`` of request ``b``: the mask
+            to apply to the logits that node produces (the grammar's mask after its root path
+            if the grammar accepts the path, else all-allowed, -1). ``None`` without
+            ``masks``, or when no request has a grammar (see :meth:`root_mask`).
+
+        Raises:
+            TypeError, ValueError: malformed arrays (dtype, shape), a parent that is not an
+                existing node or is a padding slot, a tree deeper than an outlines-core guide
+                can roll back. Raised before any matcher moves; the level is not added.
+            MatcherError: a matcher raised (the level is not added; every matcher is back in
+                its state).
+
+        Blocks while a device array's host copy lands (the drafter's kernels that produced it
+        run first) and while the rows are computed; the upload is started without blocking.
+        New node ids: ``session.nodes`` (read before the call) up to ``session.nodes + k - 1``.
+        """
+        self._check_open()
+        staged = _Staged((parents, tokens), ("parents", "tokens"), self.batch)
+        k = staged.shape[1]
+        if not masks:
+            self._pending.append((self._nodes, staged))
+            self._nodes += k
+            self._levels += 1
+            return None
+        layout = self._layout(k, row_capacity, draft=True)  # refused before anything moves
+        self._flush()
+        first = self._nodes
+        self._add_level(first, staged)
+        return self._deliver(self._rows[:, first : first + k], layout, draft=True)
+
+    def _flush(self) -> None:
+        """Compute the rows of levels added with ``masks=False``."""
+        while self._pending:
+            first, staged = self._pending[0]
+            try:
+                self._add_level(first, staged, pending=True)
+            except BaseException:
+                # this level and the ones after it are dropped
+                self._nodes = first
+                self._levels -= len(self._pending)
+                self._pending.clear()
+                raise
+            self._pending.pop(0)
+
+    def _add_level(self, first: int, staged: _Staged, *, pending: bool = False) -> None:
+        t0 = time.perf_counter()
+        parents, tokens = staged.resolve()
+        t1 = time.perf_counter()
+        k = parents.shape[1]
+        where = " (a level added with masks=False)" if pending else ""
+        self._validate_level(first, parents, where)
+        self._grow(first + k)
+        batch = self.batch
+        columns = slice(first, first + k)
+        pad = parents < 0
+        safe_parent = np.where(pad, 0, parents)
+        rows_b = np.arange(batch)[:, None]
+        depth = np.where(pad, 0, self._depth[rows_b, safe_parent] + 1)
+        self._check_depths(depth, where)
+
+        parent_live = self._live[rows_b, safe_parent] & ~pad
+        limits = self._limits[:, None]
+        in_range = (tokens >= 0) & (tokens < limits)
+        safe_token = np.where(in_range, tokens, 0)
+        word = self._rows[rows_b, safe_parent, safe_token >> 5]
+        allowed = ((word >> (safe_token & 31)) & 1).astype(bool)
+        candidate = parent_live & in_range & allowed
+
+        # writes below stay invisible until self._nodes moves past them
+        self._parents[:, columns] = parents
+        self._tokens[:, columns] = np.where(pad, 0, tokens)
+        self._depth[:, columns] = depth
+        valid = np.zeros((batch, k), dtype=bool)
+        live = np.zeros((batch, k), dtype=bool)
+        unconstrained = [b for b in range(batch) if self._kinds[b] == NONE]
+        if unconstrained:
+            valid[unconstrained] = ~pad[unconstrained]
+            live[unconstrained] = ~pad[unconstrained]
+        self._run_states(first, parents, tokens, candidate, valid, live)
+        block = self._rows[:, columns]
+        block[~live | pad] = ALL_ALLOWED
+        if unconstrained:
+            block[unconstrained] = ALL_ALLOWED
+        self._valid[:, columns] = valid
+        self._live[:, columns] = live
+        if not pending:
+            self._nodes = first + k
+            self._levels += 1
+        self.timings["levels"] += 1
+        self.timings["wait_s"] += t1 - t0
+        self.timings["grammar_s"] += time.perf_counter() - t1
+
+    def _validate_level(self, first: int, parents: np.ndarray, where: str) -> None:
+        bad = np.argwhere((parents < -1) | (parents >= first))
+        if bad.size:
+            b, j = (int(x) for x in bad[0])
+            raise ValueError(
+                f"parents[{b}, {j}] = {int(parents[b, j])} is not a node of the tree{where}: "
+                f"parents must be existing nodes 0..{first - 1}, or -1 for a padding slot"
+            )
+        safe = np.where(parents < 0, 0, parents)
+        padding_parent = (self._parents[np.arange(self.batch)[:, None], safe] < 0) & (safe > 0)
+        bad = np.argwhere(padding_parent & (parents >= 0))
+        if bad.size:
+            b, j = (int(x) for x in bad[0])
+            raise ValueError(
+                f"parents[{b}, {j}] = {int(parents[b, j])} is a padding slot{where} (its "
+                "parent was -1): padding has no children"
+            )
+
+    def _check_depths(self, depth: np.ndarray, where: str) -> None:
+        for b in self._constrained:
+            limit = self._states[b].max_depth  # type: ignore[union-attr]
+            if limit is not None and depth[b].max(initial=0) > limit:
+                deepest = int(depth[b].max())
+                raise ValueError(
+                    f"the tree of request {b} would be {deepest} draft tokens deep{where} but "
+                    f"grammars[{b}] can roll back only {limit} (an outlines_core.Guide built "
+                    f"with max_rollback={limit}); build its Guide with max_rollback >= {deepest}"
+                )
+
+    def _run_states(
+        self,
+        first: int,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+        candidate: np.ndarray,
+        valid: np.ndarray,
+        live: np.ndarray,
+    ) -> None:
+        """Decide every candidate node with its request's grammar state (on the pool for
+        forking xgrammar requests when the level is large)."""
+        k = parents.shape[1]
+        jobs: list[tuple[int, Callable[[], None]]] = []
+        serial: list[tuple[int, Callable[[], None]]] = []
+        for b in self._constrained:
+            states = self._states[b]
+            assert states is not None
+            columns = np.flatnonzero(candidate[b])
+            if columns.size == 0:
+                continue
+            items = [
+                (first + int(j), int(parents[b, j]), int(tokens[b, j])) for j in columns.tolist()
+            ]
+
+            def job(b: int = b, states: NodeStates = states, items: list = items) -> None:
+                outcomes = states.grow(items, self._rows[b], self._parents[b], self._tokens[b])
+                for (node, _, _), outcome in zip(items, outcomes, strict=True):
+                    valid[b, node - first] = outcome >= TERMINATED
+                    live[b, node - first] = outcome == LIVE
+
+            forks = self._kinds[b] == XGRAMMAR and isinstance(states, _ForkStates)
+            (jobs if forks else serial).append((b, job))
+        if serial:  # Python-bound engines: other threads would only take turns with the GIL
+
+            def run_serial() -> None:
+                for b, job in serial:
+                    try:
+                        job()
+                    except BaseException as exc:
+                        raise MatcherError(b, exc) from exc
+
+            jobs.append((serial[0][0], run_serial))
+        parallel = len(self._constrained) * k >= PARALLEL_MIN_NODES
+        try:
+            run_indexed(lambda i: jobs[i][1](), len(jobs), parallel=parallel and len(jobs) > 1)
+        except WorkItemError as exc:
+            for states in self._states:
+                if states is not None:
+                    states.discard(first)
+            if isinstance(exc.error, MatcherError):
+                raise exc.error from exc.error.error
+            raise MatcherError(jobs[exc.index][0], exc.error) from exc.error
+
+    # -- the verify mask ----------------------------------------------------------------------
+    def _selection(self, select: Any) -> np.ndarray:
+        """The selected node ids ``[batch, m]`` (validated), all nodes when None."""
+        n = self._nodes
+        if select is None:
+            return np.broadcast_to(np.arange(n, dtype=np.int64), (self.batch, n))
+        (sel,) = _Staged((select,), ("select",), self.batch).resolve()
+        if not (sel[:, 0] == 0).all():
+            b = int(np.flatnonzero(sel[:, 0] != 0)[0])
+            raise ValueError(
+                f"select[{b}, 0] = {int(sel[b, 0])}: the first node must be 0, the root"
+            )
+        bad = np.argwhere((sel < -1) | (sel >= n))
+        if bad.size:
+            b, j = (int(x) for x in bad[0])
+            raise ValueError(
+                f"select[{b}, {j}] = {int(sel[b, j])} is not a node (0..{n - 1}, or -1 for padding)"
+            )
+        batch, m = sel.shape
+        rows_b = np.repeat(np.arange(batch), m)
+        flat = sel.reshape(-1)
+        chosen = flat >= 0
+        count = np.zeros((batch, n), dtype=np.int64)
+        np.add.at(count, (rows_b[chosen], flat[chosen]), 1)
+        dup = np.argwhere(count > 1)
+        if dup.size:
+            b, v = (int(x) for x in dup[0])
+            raise ValueError(f"select[{b}] names node {v} twice")
+        parent = self._parents[rows_b, np.where(chosen, flat, 0)]
+        orphan = chosen & (parent >= 0) & ~(count[rows_b, np.where(parent >= 0, parent, 0)] > 0)
+        if orphan.any():
+            i = int(np.flatnonzero(orphan)[0])
+            b, j = divmod(i, m)
+            raise ValueError(
+                f"select[{b}, {j}] = {int(flat[i])} but its parent {int(parent[i])} is not "
+                "selected: the selection must contain every selected node's ancestors"
+            )
+        return sel
+
+    def verify_mask(self, select: Any = None, *, row_capacity: int | None = None) -> Any:
+        """The grammar mask of the verify tree: the drafted tree, or a subtree of it.
+
+        Args:
+            select: ``None`` for every drafted node in id order, or int ``[batch, m]`` (host or
+                device; ``[m]`` for batch 1): the drafted node at each verify-tree node
+                (``select[b, 0] = 0``, the root; -1 for padding), every selected node's parent
+                selected too (as EAGLE's re-ranking to ``num_draft_tokens`` keeps them).
+            row_capacity: rows of the returned mask (all-allowed padding), as for
+                :func:`portable_spec.build_grammar_vocab_mask`.
+
+        Returns:
+            int32 ``[batch * m, ceil(vocab_size / 32)]`` on the session's device, row
+            ``b * m + j`` = the row of drafted node ``select[b, j]`` (all-allowed for
+            padding): bit-identical to :func:`portable_spec.build_grammar_vocab_mask` on the
+            verify tree (:meth:`verify_tree`), computed from the rows drafting computed: no
+            grammar walk, one gather. ``None`` when no request has a grammar (unless
+            ``row_capacity`` is given or the placement spans processes).
+
+        Blocks only to compute levels added with ``masks=False`` and, for a device
+        ``select``, for its host copy; the upload is started without blocking.
+        """
+        self._check_open()
+        self._flush()
+        sel = self._selection(select)
+        batch, m = sel.shape
+        layout = self._layout(m, row_capacity, draft=False)
+        t0 = time.perf_counter()
+        index = (np.arange(batch)[:, None] * self._capacity + np.where(sel >= 0, sel, 0)).ravel()
+        padding = (sel < 0).ravel()
+        flat = self._rows.reshape(batch * self._capacity, self.words)
+
+        def fill(out: np.ndarray) -> None:
+            np.take(flat, index, axis=0, out=out)
+            if padding.any():
+                out[padding] = ALL_ALLOWED
+
+        self.timings["grammar_s"] += time.perf_counter() - t0
+        return self._upload(fill, layout, self.words)
+
+    def verify_tree(self, select: Any = None) -> GrammarTree:
+        """The verify tree of a selection (see :meth:`verify_mask`) as a host
+        :class:`portable_spec.GrammarTree`: children in selection order, draft tokens of the
+        selected nodes (0 for padding)."""
+        self._check_open()
+        self._flush()
+        sel = self._selection(select)
+        batch, m = sel.shape
+        local = np.full((batch, self._capacity), -1, dtype=np.int64)
+        rows_b = np.arange(batch)[:, None]
+        cols = np.broadcast_to(np.arange(m), (batch, m))
+        chosen = sel >= 0
+        local[np.broadcast_to(rows_b, (batch, m))[chosen], sel[chosen]] = cols[chosen]
+        safe = np.where(chosen, sel, 0)
+        parent = np.where(chosen, self._parents[rows_b, safe], -1)
+        parent_local = np.where(parent >= 0, local[rows_b, np.where(parent >= 0, parent, 0)], -1)
+        next_token, next_sibling = links_from_parents(parent_local)
+        draft = np.where(chosen, self._tokens[rows_b, safe], 0)
+        return GrammarTree.from_host(next_token, next_sibling, draft)
+
+    def valid(self, select: Any = None) -> np.ndarray:
+        """bool ``[batch, m]``: whether the grammar accepts each node's root path (end tokens
+        included; the root always; every node of an unconstrained request; never padding)."""
+        self._check_open()
+        self._flush()
+        sel = self._selection(select)
+        rows_b = np.arange(self.batch)[:, None]
+        return np.where(sel >= 0, self._valid[rows_b, np.where(sel >= 0, sel, 0)], False)
+
+    def tree(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the drafted tree so far: ``(parents, tokens)``, int64 ``[batch, nodes]``
+        (parent -1 for the root and padding slots; token 0 for both)."""
+        self._check_open()
+        self._flush()
+        n = self._nodes
+        return self._parents[:, :n].copy(), self._tokens[:, :n].copy()
+
+    def forced(self, nodes: Any = None, *, max_tokens: int = 16) -> list[list[int]]:
+        """The grammar's forced continuation after a node of each request, as a draft chain.
+
+        Args:
+            nodes: ``None`` for the root, or one node id per request (host ints; -1: none).
+            max_tokens: the longest chain returned.
+
+        Returns:
+            One token list per request: tokens every grammar-valid output continues with
+            (xgrammar ``find_jump_forward_tokens``, llguidance ``compute_ff_tokens``,
+            outlines-core: tokens that are the only one their state allows, protocol
+            matchers: their ``find_jump_forward_tokens()`` if they have one). Empty for
+            unconstrained requests, nodes the grammar rejected or that ended it, and where
+            nothing is forced. Graft the chain onto a tree with :func:`graft_chain`, or add it
+            as levels of width 1.
+        """
+        self._check_open()
+        self._flush()
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, Integral) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+        if nodes is None:
+            chosen = [0] * self.batch
+        else:
+            host = _to_host("nodes", nodes).reshape(-1)
+            if not _is_integer(host.dtype) or host.shape != (self.batch,):
+                raise ValueError(f"nodes must be {self.batch} integer node ids, got {host!r}")
+            chosen = [int(v) for v in host]
+            for b, v in enumerate(chosen):
+                if not -1 <= v < self._nodes:
+                    raise ValueError(f"nodes[{b}] = {v} is not a node (0..{self._nodes - 1})")
+        out: list[list[int]] = []
+        for b, v in enumerate(chosen):
+            states = self._states[b]
+            if states is None or v < 0 or not self._live[b, v] or max_tokens == 0:
+                out.append([])
+                continue
+            try:
+                out.append(
+                    states.forced(v, self._parents[b], self._tokens[b], self._rows[b], max_tokens)
+                )
+            except BaseException as exc:
+                raise MatcherError(b, exc) from exc
+        return out
+
+    # -- upload ------------------------------------------------------------------------------------
+    def _layout(self, nodes: int, row_capacity: int | None, *, draft: bool) -> MaskLayout | None:
+        """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
+        request has a grammar). Raises before anything is computed."""
+        vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
+        rows = self.batch * nodes
+        capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
+        layout = self._backend.mask_layout(self._placement, self.batch, nodes, vocab, capacity)
+        _check_layout(layout, rows, self._backend)
+        if not self._constrained and capacity is None and not layout.collective:
+            return None
+        return layout
+
+    def _deliver(self, block: np.ndarray, layout: MaskLayout | None, *, draft: bool) -> Any:
+        """Upload ``block`` (``[batch, k, words]`` target rows), converted to the draft
+        vocabulary when the session has one and ``draft``."""
+        batch, k, _ = block.shape
+        if draft and self._draft is not None:
+            vocab = self._draft
+
+            def fill(out: np.ndarray) -> None:
+                vocab.convert(block.reshape(batch * k, self.words), out)
+
+            return self._upload(fill, layout, vocab.words)
+
+        def copy(out: np.ndarray) -> None:
+            out.reshape(batch, k, self.words)[...] = block
+
+        return self._upload(copy, layout, self.words)
+
+    def _upload(
+        self, fill: Callable[[np.ndarray], None], layout: MaskLayout | None, words: int
+    ) -> Any:
+        if layout is None:
+            return None
+        t0 = time.perf_counter()
+        backend = self._backend
+        built = sum(count for _, count, _ in layout.blocks)
+        buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
+        try:
+            if self._constrained:
+                fill(buffer.array[:built])
+                _arrange(buffer.array, layout.blocks)
+            else:
+                buffer.array.fill(ALL_ALLOWED)
+        except BaseException:
+            backend.release_host_mask(buffer)
+            raise
+        uploaded = backend.upload(buffer, layout.placement)
+        self.timings["upload_s"] += time.perf_counter() - t0
+        return uploaded
+
+
+def _resolve_target(device: Any, backend: str | Backend | None) -> tuple[Backend, Any]:
+    if backend is not None:
+        if isinstance(backend, Backend):
+            return backend, device
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+        return get_backend(backend), device
+    if device is None:
+        return get_backend("numpy"), None
+    if isinstance(device, str):
+        raise TypeError(
+            f"device={device!r} is a string: pass backend= too (e.g. backend='torch'), or a "
+            "device object (torch.device, jax.Device, jax.sharding.Sharding)"
+        )
+    return backend_for(device), device
+
+
+def links_from_parents(parents: Any) -> tuple[np.ndarray, np.ndarray]:
+    """First-child / next-sibling links of trees given by parent ids.
+
+    Args:
+        parents: int ``[batch, nodes]`` (or ``[nodes]``): each node's parent node id, -1 for the
+            root (node 0) and for padding. Children are linked in node order.
+
+    Returns:
+        ``(next_token, next_sibling)``: int64 arrays of the same shape, for
+        :meth:`portable_spec.GrammarTree.from_host`. Vectorized (no loop over nodes).
+    """
+    p = np.asarray(parents, dtype=np.int64)
+    one = p.ndim == 1
+    if one:
+        p = p[None, :]
+    if p.ndim != 2:
+        raise ValueError(f"parents must be [batch, nodes] or [nodes], got shape {p.shape}")
+    batch, nodes = p.shape
+    if ((p < -1) | (p >= nodes)).any():
+        raise ValueError("parents must be node ids of the same tree or -1")
+    next_token = np.full((batch, nodes), -1, dtype=np.int64)
+    next_sibling = np.full((batch, nodes), -1, dtype=np.int64)
+    b, v = np.nonzero(p >= 0)
+    if b.size:
+        par = p[b, v]
+        order = np.lexsort((v, par, b))  # by request, parent, node
+        b, v, par = b[order], v[order], par[order]
+        first = np.ones(b.size, dtype=bool)
+        first[1:] = (b[1:] != b[:-1]) | (par[1:] != par[:-1])
+        next_token[b[first], par[first]] = v[first]
+        follows = ~first[1:]
+        next_sibling[b[:-1][follows], v[:-1][follows]] = v[1:][follows]
+    if one:
+        return next_token[0], next_sibling[0]
+    return next_token, next_sibling
+
+
+def graft_chain(
+    parents: Sequence[int], tokens: Sequence[int], chain: Sequence[int], at: int = 0
+) -> tuple[list[int], list[int], list[int]]:
+    """Hang a draft chain (such as a forced continuation) below node ``at`` of a host tree.
+
+    Args:
+        parents: each node's parent (``parents[0] = -1``, every parent before its children).
+        tokens: each node's token.
+        chain: the tokens to add, in order.
+        at: the node the chain starts below.
+
+    Returns:
+        ``(parents, tokens, chain_nodes)``: new lists with the chain added (nodes the tree
+        already has along the chain, same parent and token, are reused rather than
+        duplicated) and the node id of each chain token.
+    """
+    parents, tokens = [int(p) for p in parents], [int(t) for t in tokens]
+    if len(parents) != len(tokens) or not parents or parents[0] != -1:
+        raise ValueError("parents and tokens must have the same length >= 1, parents[0] = -1")
+    for i, p in enumerate(parents[1:], start=1):
+        if not 0 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
+    if not 0 <= at < len(parents):
+        raise ValueError(f"at = {at} is not a node (0..{len(parents) - 1})")
+    children: dict[int, dict[int, int]] = {}
+    for i, p in enumerate(parents[1:], start=1):
+        children.setdefault(p, {}).setdefault(tokens[i], i)
+    node, nodes = at, []
+    for token in chain:
+        token = int(token)
+        child = children.get(node, {}).get(token)
+        if child is None:
+            child = len(parents)
+            parents.append(node)
+            tokens.append(token)
+            children.setdefault(node, {})[token] = child
+        nodes.append(child)
+        node = child
+    return parents, tokens, nodes
+
+
+def forced_tokens(
+    grammars: Sequence[Any], vocab_size: int, *, max_tokens: int = 16
+) -> list[list[int]]:
+    """The forced continuation of each request's grammar from its current state (see
+    :meth:`DraftSession.forced`); matchers are not moved. Blocks for the host work only."""
+    with DraftSession(grammars, vocab_size, max_nodes=1) as session:
+        return session.forced(max_tokens=max_tokens)

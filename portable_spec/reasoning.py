@@ -1,0 +1,317 @@
+"""Reasoning models: the grammar starts where the reasoning ends, per path of the tree.
+
+A reasoning request thinks freely, then emits an end token (``</think>``) after which its
+answer follows the grammar. In a verify tree the end token may lie on some branches and not on
+others, so the rule is applied per root path (see :class:`Reasoning`). The mask is built in
+three steps, all through :func:`portable_spec.build_host_bitmask`:
+
+1. the requests that are not reasoning, as usual (reasoning ones are passed as ``None``);
+2. each reasoning request's free-text row: everything allowed except the content end tokens
+   the grammar refuses as first content (read off its first mask by a one-node build, once
+   per matcher: a reasoning matcher stands at its start state);
+3. every node where the reasoning ends starts a sub-tree walked by the grammar from its
+   starting state (for a content end token, the token itself is the grammar's first), in
+   rounds with at most one sub-tree per matcher; the rows are copied into place.
+
+Every check runs before any matcher moves; matchers end where they started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any
+
+import numpy as np
+
+from portable_spec.engines.base import IdentityCache
+from portable_spec.errors import MatcherError
+from portable_spec.tree import GrammarTree
+
+__all__ = ["Reasoning", "build_with_reasoning"]
+
+ALL_ALLOWED = -1
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Which requests are still reasoning at the root, and the tokens that end the reasoning.
+
+    Attributes:
+        active: ``[batch]`` booleans (any sequence or array): request ``b`` is still reasoning
+            at node 0, its matcher has consumed nothing of the answer yet.
+        end_token_ids: tokens that end the reasoning (``</think>``): the grammar starts *after*
+            such a node; its row is the grammar's first mask.
+        content_end_token_ids: tokens that end the reasoning *and* are the answer's first
+            token (a tool-call start such as ``<tool_call>``): the grammar consumes the token
+            itself; its row is the grammar's mask after it. While a path is still reasoning,
+            its rows ban those of these tokens the grammar refuses as first content.
+
+    Along each root path of an active request: while no end token has appeared, a node's row
+    allows every token except the banned content end tokens (a node whose token is outside
+    ``[0, vocab_size)`` or banned is rejected, as anywhere); the first node whose token ends
+    the reasoning starts the grammar; below it, the row contract of
+    :func:`portable_spec.build_host_bitmask` holds. Requests not active are built as usual.
+    """
+
+    active: Any
+    end_token_ids: Sequence[int]
+    content_end_token_ids: Sequence[int] = field(default=())
+
+
+@dataclass
+class _Checked:
+    active: np.ndarray
+    ends: frozenset[int]
+    content_ends: frozenset[int]
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> frozenset[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"Reasoning.{name} must be a sequence of token ids, got {value!r}")
+    ids = []
+    for token in list(value):
+        if isinstance(token, bool) or not isinstance(token, Integral):
+            raise TypeError(f"Reasoning.{name} must hold ints, got {token!r}")
+        if not 0 <= int(token) < vocab_size:
+            raise ValueError(
+                f"Reasoning.{name} holds {int(token)}, outside the vocabulary [0, {vocab_size})"
+            )
+        ids.append(int(token))
+    return frozenset(ids)
+
+
+def check_reasoning(reasoning: Any, batch: int, vocab_size: int) -> _Checked:
+    """Validate a :class:`Reasoning` against the batch; ``TypeError``/``ValueError`` naming the
+    field otherwise."""
+    if not isinstance(reasoning, Reasoning):
+        raise TypeError(
+            f"reasoning must be a portable_spec.Reasoning, got {type(reasoning).__name__}"
+        )
+    active = np.asarray(reasoning.active)
+    if active.dtype != np.bool_:
+        raise TypeError(f"Reasoning.active must hold booleans, got dtype {active.dtype}")
+    if active.shape != (batch,):
+        raise ValueError(f"Reasoning.active has shape {active.shape}; the tree has batch {batch}")
+    ends = _token_ids(reasoning.end_token_ids, "end_token_ids", vocab_size)
+    content = _token_ids(reasoning.content_end_token_ids, "content_end_token_ids", vocab_size)
+    if not ends and not content:
+        raise ValueError("Reasoning needs at least one end token")
+    both = ends & content
+    if both:
+        raise ValueError(
+            f"token(s) {sorted(both)} are both end_token_ids and content_end_token_ids"
+        )
+    return _Checked(active, ends, content)
+
+
+@dataclass
+class _SubTree:
+    """A grammar sub-tree of a reasoning request: node ``v`` of its links is request node
+    ``nodes[v]`` (-1: the virtual start of a content end token, whose row is not used)."""
+
+    request: int
+    nodes: list[int]
+    next_token: list[int]
+    next_sibling: list[int]
+    draft: list[int]
+
+
+def build_with_reasoning(
+    build: Any,
+    grammars: Sequence[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    words: int,
+    reasoning: Reasoning,
+    out: np.ndarray | None,
+    return_valid: bool = False,
+) -> Any:
+    """:func:`portable_spec.build_host_bitmask` with a :class:`Reasoning` rule (``build`` is
+    that function, called without one). Same arguments, result and guarantees."""
+    checked = check_reasoning(reasoning, tree.batch, vocab_size)
+    reasoning_requests = [
+        b for b in range(tree.batch) if checked.active[b] and grammars[b] is not None
+    ]
+    if not reasoning_requests:
+        return build(grammars, tree, vocab_size, out=out, return_valid=return_valid)
+    # every check before any matcher moves: the grammars and the links
+    from portable_spec.grammars import classify_grammars
+
+    classify_grammars(grammars, tree.batch, vocab_size)
+    next_token, next_sibling, draft = tree.resolve()
+    tree.validate()
+
+    rest = [None if b in reasoning_requests else g for b, g in enumerate(grammars)]
+    mask, valid = build(rest, tree, vocab_size, out=out, return_valid=True)
+    if mask is None:
+        rows = tree.batch * tree.nodes
+        mask = np.empty((rows, words), dtype=np.int32) if out is None else out
+        mask[:] = ALL_ALLOWED
+    frees = _free_rows(build, [grammars[b] for b in reasoning_requests], checked, vocab_size, words)
+    nodes = tree.nodes
+    subtrees: list[list[_SubTree]] = []
+    for k, b in enumerate(reasoning_requests):
+        free = frees[k]
+        links = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
+        block = mask[b * nodes : (b + 1) * nodes]
+        valid[b] = False
+        found = _reasoning_walk(b, *links, block, valid[b], free, checked, vocab_size)
+        subtrees.append(found)
+    _build_subtrees(build, grammars, subtrees, mask, valid, nodes, vocab_size)
+    return (mask, valid) if return_valid else mask
+
+
+# A reasoning matcher stands at its start state (it has consumed nothing of the answer), so
+# its free-text row never changes while it reasons: kept per matcher object.
+_free_row_cache: IdentityCache[tuple[frozenset[int], np.ndarray]] = IdentityCache()
+
+
+def _free_rows(
+    build: Any, matchers: list[Any], checked: _Checked, vocab_size: int, words: int
+) -> list[np.ndarray]:
+    """Each reasoning matcher's free-text row: all allowed but the content end tokens its
+    grammar refuses first (read off its first mask, one one-node build for those not cached;
+    none without content end tokens)."""
+    everything = np.full(words, ALL_ALLOWED, dtype=np.int32)
+    if not checked.content_ends:
+        return [everything] * len(matchers)
+    rows: list[np.ndarray | None] = []
+    missing = []
+    for k, matcher in enumerate(matchers):
+        cached = _free_row_cache.get(matcher)
+        hit = cached is not None and cached[0] == checked.content_ends and len(cached[1]) == words
+        rows.append(cached[1] if hit else None)  # type: ignore[index]
+        if not hit:
+            missing.append(k)
+    if missing:
+        zeros = np.zeros((len(missing), 1), dtype=np.int64)
+        single = GrammarTree.from_host(zeros - 1, zeros - 1, zeros)
+        firsts = build([matchers[k] for k in missing], single, vocab_size)
+        for k, first in zip(missing, firsts.reshape(len(missing), words), strict=True):
+            rows[k] = _free_row(first, checked.content_ends, words)
+            _free_row_cache.put(matchers[k], (checked.content_ends, rows[k]))
+    return rows  # type: ignore[return-value]
+
+
+def _free_row(first: np.ndarray, content_ends: frozenset[int], words: int) -> np.ndarray:
+    """The reasoning row: all allowed but the content end tokens the grammar refuses first."""
+    row = np.full(words, ALL_ALLOWED, dtype=np.int32)
+    bits = row.view(np.uint32)
+    for token in content_ends:
+        if not (int(first[token >> 5]) >> (token & 31)) & 1:
+            bits[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))
+    return row
+
+
+def _reasoning_walk(
+    b: int,
+    next_token: list[int],
+    next_sibling: list[int],
+    draft: list[int],
+    block: np.ndarray,
+    valid: np.ndarray,
+    free: np.ndarray,
+    checked: _Checked,
+    vocab_size: int,
+) -> list[_SubTree]:
+    """Write the free-text rows of request ``b`` (its block is all-allowed beforehand), mark
+    the nodes accepted while reasoning in ``valid`` (its ``[nodes]`` row) and return the
+    grammar sub-trees hanging below the nodes that end the reasoning."""
+    found: list[_SubTree] = []
+    block[0] = free
+    valid[0] = True
+    frontier = [0]
+    while frontier:
+        following = []
+        for v in frontier:
+            c = next_token[v]
+            while c != -1:
+                token = draft[c]
+                allowed = 0 <= token < vocab_size and (int(free[token >> 5]) >> (token & 31)) & 1
+                if allowed:
+                    valid[c] = True
+                    if token in checked.ends:
+                        found.append(_subtree(b, c, next_token, next_sibling, draft, False))
+                    elif token in checked.content_ends:
+                        found.append(_subtree(b, c, next_token, next_sibling, draft, True))
+                    else:
+                        block[c] = free
+                        following.append(c)
+                c = next_sibling[c]
+        frontier = following
+    return found
+
+
+def _subtree(
+    b: int,
+    head: int,
+    next_token: list[int],
+    next_sibling: list[int],
+    draft: list[int],
+    consumed: bool,
+) -> _SubTree:
+    """The sub-tree below ``head``, renumbered: ``head`` is node 0, or node 1 below a virtual
+    start (``consumed``: the head's token is the grammar's first)."""
+    order = [head]
+    i = 0
+    while i < len(order):  # breadth first: every node after its parent
+        c = next_token[order[i]]
+        while c != -1:
+            order.append(c)
+            c = next_sibling[c]
+        i += 1
+    offset = 1 if consumed else 0
+    local = {v: k + offset for k, v in enumerate(order)}
+    size = len(order) + offset
+    nt = [-1] * size
+    ns = [-1] * size
+    dt = [0] * size
+    for v in order:
+        k = local[v]
+        dt[k] = draft[v]
+        if next_token[v] != -1:
+            nt[k] = local[next_token[v]]
+        if v != head and next_sibling[v] != -1:
+            ns[k] = local[next_sibling[v]]
+    if consumed:
+        nt[0] = 1
+    return _SubTree(b, ([-1] if consumed else []) + order, nt, ns, dt)
+
+
+def _build_subtrees(
+    build: Any,
+    grammars: Sequence[Any],
+    subtrees: list[list[_SubTree]],
+    mask: np.ndarray,
+    valid: np.ndarray,
+    nodes: int,
+    vocab_size: int,
+) -> None:
+    """Build every sub-tree with its request's matcher, one per matcher per round, and copy
+    the rows (and which nodes the grammar accepts) into place. A failing matcher is named by
+    its request index."""
+    rounds = max((len(s) for s in subtrees), default=0)
+    for r in range(rounds):
+        batch = [s[r] for s in subtrees if len(s) > r]
+        width = max(len(sub.nodes) for sub in batch)
+        shape = (len(batch), width)
+        nt = np.full(shape, -1, dtype=np.int64)
+        ns = np.full(shape, -1, dtype=np.int64)
+        dt = np.zeros(shape, dtype=np.int64)
+        for k, sub in enumerate(batch):
+            n = len(sub.nodes)
+            nt[k, :n], ns[k, :n], dt[k, :n] = sub.next_token, sub.next_sibling, sub.draft
+        matchers = [grammars[sub.request] for sub in batch]
+        try:
+            rows, accepted = build(
+                matchers, GrammarTree.from_host(nt, ns, dt), vocab_size, return_valid=True
+            )
+        except MatcherError as exc:
+            raise MatcherError(batch[exc.request_index].request, exc.error) from exc.error
+        for k, sub in enumerate(batch):
+            local = np.asarray(sub.nodes)
+            keep = local >= 0
+            mask[sub.request * nodes + local[keep]] = rows[k * width + np.flatnonzero(keep)]
+            valid[sub.request, local[keep]] = accepted[k, np.flatnonzero(keep)]

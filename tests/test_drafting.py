@@ -1,0 +1,712 @@
+"""Grammar-aware drafting (``DraftSession``): trees grown level by level against the per-node
+replay oracle and ``build_grammar_vocab_mask``, on SmolLM2's vocabulary; incremental cost,
+matchers untouched, states released, forced chains, d2t masks, refusals."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+from _cases import allowed_tokens, draw_case
+from _oracle import (
+    FailingMatcher,
+    ProtocolMatcher,
+    Request,
+    expected_mask,
+    matcher_state,
+    parents_of,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import portable_spec as ps
+import portable_spec.drafting as drafting_module
+
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+PROBE = [0, 1, 2, 100, 1000, 18, 107]
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def levels_of(case, data=None):
+    """Split each request's tree of a drawn case into levels by depth, as a drafter submits
+    them: per level ``(parents, tokens, where)`` with session node ids (-1 parents for padding
+    slots) and ``where[b][j]`` = the case node in slot ``j`` (-1 for padding). Also returns
+    ``select``: the session node of every case node (-1 for the case's padding)."""
+    batch, nodes = case.draft.shape
+    parent = [
+        parents_of(case.next_token[b].tolist(), case.next_sibling[b].tolist()) for b in range(batch)
+    ]
+    session_id = [{0: 0} for _ in range(batch)]
+    frontier = [[0] for _ in range(batch)]
+    levels = []
+    next_id = 1
+    while any(frontier):
+        kids = []
+        for b in range(batch):
+            found = []
+            for u in frontier[b]:
+                c = int(case.next_token[b, u])
+                while c != -1:
+                    found.append(c)
+                    c = int(case.next_sibling[b, c])
+            kids.append(found)
+        width = max(len(k) for k in kids)
+        if width == 0:
+            break
+        pads = data.draw(st.integers(0, 2), label="padding slots") if data is not None else 0
+        width += pads
+        P = np.full((batch, width), -1, np.int64)
+        T = np.zeros((batch, width), np.int64)
+        where = []
+        for b in range(batch):
+            slots = kids[b] + [-1] * (width - len(kids[b]))
+            if data is not None:
+                order = data.draw(st.permutations(range(width)), label="slot order")
+                slots = [slots[i] for i in order]
+            for j, v in enumerate(slots):
+                if v >= 0:
+                    P[b, j] = session_id[b][parent[b][v]]
+                    T[b, j] = case.draft[b, v]
+                    session_id[b][v] = next_id + j
+                else:
+                    T[b, j] = 12345  # ignored
+            where.append(slots)
+        levels.append((P, T, where))
+        next_id += width
+        frontier = kids
+    select = np.full((batch, nodes), -1, np.int64)
+    for b in range(batch):
+        for v, s in session_id[b].items():
+            select[b, v] = s
+    return levels, select
+
+
+def oracle_valid(request, next_token, next_sibling, draft, vocab, grammar_words):
+    """Whether the grammar accepts each node's root path (the end token included), by per-node
+    replay on fresh matchers."""
+    n = len(next_token)
+    parent = parents_of(next_token, next_sibling)
+    valid = [False] * n
+    if request is None:
+        return [j == 0 or parent[j] != -1 for j in range(n)]
+    valid[0] = True
+    limit = min(vocab, 32 * grammar_words)
+    for j in range(1, n):
+        if parent[j] == -1:
+            continue
+        path, v = [], j
+        while v != 0:
+            path.append(v)
+            v = parent[v]
+        m = request.fresh()
+        ok = not m.is_terminated()
+        for v in reversed(path):
+            if not ok:
+                break
+            t = int(draft[v])
+            row = np.zeros((1, grammar_words), np.int32)
+            m.fill_next_token_bitmask(row, 0)
+            ok = 0 <= t < limit and bool((int(row[0, t >> 5]) >> (t & 31)) & 1)
+            ok = ok and m.accept_token(t)
+            if ok and v != j and m.is_terminated():
+                ok = False  # nothing follows an accepted end token
+        valid[j] = ok
+    return valid
+
+
+def prints(matchers, words):
+    out = []
+    for m in matchers:
+        if m is None:
+            out.append(None)
+        elif isinstance(m, ProtocolMatcher):
+            out.append(("protocol", m.depth, matcher_state(m.inner, PROBE, words)))
+        elif hasattr(m, "traverse_draft_tree"):
+            out.append(matcher_state(m, PROBE, words))
+        else:
+            from _engines import fingerprint
+
+            out.append(fingerprint(m, words, PROBE))
+    return out
+
+
+def run_levels(session, levels, lazy=()):
+    """Submit every level (those whose index is in ``lazy`` with ``masks=False``); returns
+    each level's host rows (None for lazy ones)."""
+    got = []
+    for i, (P, T, _) in enumerate(levels):
+        rows = session.extend(P, T, masks=i not in lazy)
+        got.append(None if rows is None else np.asarray(rows))
+    return got
+
+
+class ForkingProtocolMatcher(ProtocolMatcher):
+    """A protocol matcher with ``fork()``: forks share one call log, so the test can count
+    every accept the session made on any fork."""
+
+    def __init__(self, inner, log=None, forks=None, vocab_size=None):
+        super().__init__(inner, vocab_size)
+        self.calls = log if log is not None else []
+        self.forks = forks if forks is not None else []
+
+    def fork(self):
+        child = ForkingProtocolMatcher(
+            self.inner.fork(), self.calls, self.forks, getattr(self, "vocab_size", None)
+        )
+        self.forks.append(weakref.ref(child))
+        return child
+
+    def find_jump_forward_tokens(self):
+        return self.inner.find_jump_forward_tokens()
+
+
+class JumpingProtocolMatcher(ProtocolMatcher):
+    """A protocol matcher without fork() that knows its forced continuation."""
+
+    def find_jump_forward_tokens(self):
+        return self.inner.find_jump_forward_tokens()
+
+
+# -- the oracle ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", [False, True])
+@SETTINGS
+@given(data=st.data())
+def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkeypatch):
+    """Random trees (padding, off-grammar, EOS and out-of-range drafts, padded model
+    vocabularies, terminated matchers, None, protocol matchers) grown level by level: every
+    level's rows are the oracle's rows of its nodes, the verify mask of the whole tree and of
+    a random ancestor-closed subtree equals the oracle's and build_grammar_vocab_mask's bit for
+    bit, validity matches, and every matcher is untouched."""
+    monkeypatch.setattr(drafting_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    case = draw_case(data, smollm2, protocol=protocol, max_nodes=16)
+    words = smollm2.words
+    before = prints(case.matchers, words)
+    levels, select = levels_of(case, data)
+    want = expected_mask(
+        case.requests, case.next_token, case.next_sibling, case.draft, case.vocab_size, words
+    )
+    batch, nodes = case.draft.shape
+    constrained = any(r is not None for r in case.requests)
+    with ps.DraftSession(
+        case.matchers, case.vocab_size, max_nodes=data.draw(st.integers(1, 8))
+    ) as s:
+        root = s.root_mask()
+        if constrained:
+            np.testing.assert_array_equal(root, want.reshape(batch, nodes, -1)[:, 0])
+        else:
+            assert root is None
+        lazy = {i for i in range(len(levels)) if data.draw(st.booleans(), label="masks=False")}
+        for i, ((P, _T, where), rows) in enumerate(
+            zip(levels, run_levels(s, levels, lazy), strict=True)
+        ):
+            if i in lazy or not constrained:
+                assert rows is None
+                continue
+            k = P.shape[1]
+            expect = np.full((batch * k, want.shape[1]), -1, np.int32)
+            for b in range(batch):
+                for j, v in enumerate(where[b]):
+                    if v >= 0:
+                        expect[b * k + j] = want[b * nodes + v]
+            np.testing.assert_array_equal(rows, expect)
+        assert prints(case.matchers, words) == before  # nothing moved while drafting
+        assert s.nodes == 1 + sum(level[0].shape[1] for level in levels)
+        mask = s.verify_mask(select)
+        tree = s.verify_tree(select)
+        valid = s.valid(select)
+        # a random ancestor-closed subtree, in random order (the root first)
+        keep = [[0] for _ in range(batch)]
+        for b in range(batch):
+            par = parents_of(case.next_token[b].tolist(), case.next_sibling[b].tolist())
+            kept = {0}
+            for v in sorted(range(1, nodes), key=lambda v: select[b, v]):  # parents first
+                if par[v] in kept and select[b, v] > 0 and data.draw(st.booleans(), label="keep"):
+                    kept.add(v)
+            rest = sorted(kept - {0})
+            keep[b] += [rest[i] for i in data.draw(st.permutations(range(len(rest))), label="o")]
+        width = max(len(k) for k in keep)
+        sub = np.full((batch, width), -1, np.int64)
+        for b in range(batch):
+            sub[b, : len(keep[b])] = [select[b, v] for v in keep[b]]
+        sub_mask = s.verify_mask(sub, row_capacity=batch * width + 3)
+        sub_tree = s.verify_tree(sub)
+    if not constrained:
+        assert mask is None
+        return
+    np.testing.assert_array_equal(mask, want)
+    assert prints(case.matchers, words) == before
+    built = ps.build_grammar_vocab_mask(case.matchers, tree, case.vocab_size)
+    np.testing.assert_array_equal(built, mask)
+    for b, request in enumerate(case.requests):
+        expect = oracle_valid(
+            request,
+            case.next_token[b].tolist(),
+            case.next_sibling[b].tolist(),
+            case.draft[b].tolist(),
+            case.vocab_size,
+            words,
+        )
+        expect = [e and (v == 0 or select[b, v] > 0) for v, e in enumerate(expect)]
+        assert valid[b].tolist() == expect, b
+    built = ps.build_grammar_vocab_mask(case.matchers, sub_tree, case.vocab_size)
+    assert sub_mask.shape == (batch * width + 3, want.shape[1])
+    np.testing.assert_array_equal(sub_mask[: batch * width], built)
+    assert (sub_mask[batch * width :] == -1).all()
+    assert prints(case.matchers, words) == before
+
+
+@pytest.mark.parametrize(
+    "engines", [("llguidance",), ("outlines",), ("xgrammar", "llguidance", "outlines")]
+)
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_other_engines_match_the_oracle(smollm2, engines, data):
+    """llguidance (deep copies per node) and outlines-core (replayed paths) in a session,
+    alone and mixed with xgrammar: same bits as the oracle, guides and matchers restored."""
+    pytest.importorskip("llguidance")
+    pytest.importorskip("outlines_core")
+    make, kinds = _engine_factory(smollm2, engines)
+    case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
+    words = smollm2.words
+    before = prints(case.matchers, words)
+    levels, select = levels_of(case, data)
+    want = expected_mask(
+        case.requests, case.next_token, case.next_sibling, case.draft, case.vocab_size, words
+    )
+    with ps.DraftSession(case.matchers, case.vocab_size) as s:
+        run_levels(s, levels)
+        assert prints(case.matchers, words) == before
+        mask = s.verify_mask(select)
+    if all(r is None for r in case.requests):
+        assert mask is None
+    else:
+        np.testing.assert_array_equal(mask, want)
+    assert prints(case.matchers, words) == before
+
+
+def _engine_factory(smollm2, engines):
+    """``make_request(kind)`` drawing each request's engine from ``engines``."""
+    from _engines import engine_request
+
+    from portable_spec.demo import grammar_engines as ge
+
+    def make(kind):
+        engine, kind = kind.split(":")
+        if engine == "xgrammar":
+            return Request(smollm2.grammars[kind])
+        return engine_request(engine, kind, smollm2.eos)
+
+    kinds = []
+    for engine in engines:
+        own = ("json_schema", "regex") if engine == "xgrammar" else ge.ENGINE_KINDS[engine]
+        kinds.extend(f"{engine}:{k}" for k in own)
+    return make, tuple(kinds)
+
+
+# -- incremental, untouched, released ------------------------------------------------------------
+def _draft_level(session, rng, words, size, k, frontier):
+    """k children spread over ``frontier`` (request 0), tokens the parent's row allows."""
+    parents = [frontier[j % len(frontier)] for j in range(k)]
+    tokens = []
+    known = np.asarray(session.verify_mask()).reshape(session.batch, session.nodes, -1)
+    for p in parents:
+        row = known[0, p]
+        options = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:size])
+        tokens.append(int(rng.choice(options)))
+    return np.array([parents]), np.array([tokens])
+
+
+def test_forks_make_a_level_cost_its_new_nodes(smollm2):
+    """With a forking matcher every new node costs one accept (on a fork of its parent): no
+    root path is replayed, however deep the tree; without fork() the replay costs more, and
+    the matcher is back where it started after every level."""
+    rng = np.random.default_rng(3)
+    grammar = smollm2.grammars["builtin_json"]
+    forking = ForkingProtocolMatcher(xgr.GrammarMatcher(grammar), vocab_size=smollm2.size)
+    plain = ProtocolMatcher(xgr.GrammarMatcher(grammar), vocab_size=smollm2.size)
+    accepts = {}
+    trees = {}
+    for name, m in (("fork", forking), ("replay", plain)):
+        rng = np.random.default_rng(3)
+        with ps.DraftSession([m], smollm2.size) as s:
+            frontier = [0]
+            for _ in range(8):  # deep: 8 levels of 3 nodes
+                P, T = _draft_level(s, rng, smollm2.words, smollm2.size, 3, frontier)
+                first = s.nodes
+                s.extend(P, T)
+                frontier = [first + j for j in range(3) if s.valid()[0, first + j]]
+                assert m.depth == 0  # restored after every level
+            trees[name] = s.tree()
+            accepts[name] = sum(1 for c in m.calls if c[0] == "accept")
+            mask = s.verify_mask()
+        built = ps.build_grammar_vocab_mask(
+            [xgr.GrammarMatcher(grammar)], _tree(trees[name]), smollm2.size
+        )
+        np.testing.assert_array_equal(mask, built)
+    np.testing.assert_array_equal(trees["fork"][1], trees["replay"][1])
+    assert accepts["fork"] == 8 * 3  # one per new node
+    assert accepts["replay"] > 2 * accepts["fork"]  # paths replayed
+
+
+def _tree(parents_tokens):
+    parents, tokens = parents_tokens
+    nt, ns = ps.links_from_parents(parents)
+    return ps.GrammarTree.from_host(nt, ns, tokens)
+
+
+def test_states_are_released_at_close_and_on_errors(smollm2):
+    forking = ForkingProtocolMatcher(xgr.GrammarMatcher(smollm2.grammars["builtin_json"]))
+    rng = np.random.default_rng(0)
+    with pytest.raises(KeyError), ps.DraftSession([forking], smollm2.size) as s:
+        frontier = [0]
+        for _ in range(3):
+            P, T = _draft_level(s, rng, smollm2.words, smollm2.size, 2, frontier)
+            frontier = [s.nodes, s.nodes + 1]
+            s.extend(P, T)
+        assert sum(r() is not None for r in forking.forks) >= 6
+        raise KeyError("the engine failed mid-step")
+    gc.collect()
+    assert all(r() is None for r in forking.forks)  # every fork dropped
+    with pytest.raises(RuntimeError, match="closed"):
+        s.extend([[0]], [[1]])
+    s.close()  # idempotent
+
+
+def test_matcher_error_names_the_request_and_keeps_the_session(smollm2):
+    grammar = smollm2.grammars["json_schema"]
+    good = xgr.GrammarMatcher(grammar)
+    bad = FailingMatcher(xgr.GrammarMatcher(grammar), fail_in="fill", at_call=2)
+    with ps.DraftSession([good, bad], smollm2.size) as s:
+        first = allowed_tokens(good, smollm2.words, smollm2.size)[:2]
+        with pytest.raises(ps.MatcherError) as info:
+            s.extend([[0, 0], [0, 0]], [first, first])
+        assert info.value.request_index == 1 and bad.depth == 0
+        assert s.nodes == 1  # the level was not added
+        s.extend([[0, 0], [0, 0]], [first, first])  # the next fill works again
+        assert s.valid().tolist() == [[True, True, True], [True, True, True]]
+
+
+# -- refusals -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "parents,tokens,error,message",
+    [
+        ([[0, 5]], [[1, 2]], ValueError, r"parents\[0, 1\] = 5 is not a node"),
+        ([[0, -2]], [[1, 2]], ValueError, r"parents\[0, 1\] = -2 is not a node"),
+        ([[3, 0]], [[1, 2]], ValueError, r"parents\[0, 0\] = 3 is a padding slot"),
+        ([[0.0, 0.0]], [[1, 2]], TypeError, "parents must have an integer dtype"),
+        ([[0, 0]], [[1, 2, 3]], ValueError, "same shape"),
+        ([[0], [0]], [[1], [2]], ValueError, r"\[batch, k\] with batch = 1"),
+        (np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64), ValueError, "no columns"),
+        ([[[0]]], [[[1]]], ValueError, r"\[batch, k\]"),
+    ],
+)
+def test_malformed_levels_are_refused_before_anything_moves(
+    smollm2, parents, tokens, error, message
+):
+    m = ProtocolMatcher(xgr.GrammarMatcher(smollm2.grammars["json_schema"]))
+    with ps.DraftSession([m], smollm2.size) as s:
+        s.extend([[0, 0, -1]], [[107, 18, 0]])  # nodes 1, 2 and padding slot 3
+        calls = len(m.calls)
+        with pytest.raises(error, match=message):
+            s.extend(parents, tokens)
+        assert len(m.calls) == calls and m.depth == 0 and s.nodes == 4
+        s.extend([[1]], [[18]])  # still usable
+
+
+def test_bad_selections_and_arguments_are_refused(smollm2):
+    m = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    with ps.DraftSession([m], smollm2.size) as s:
+        s.extend([[0, 0]], [[107, 18]])
+        s.extend([[1]], [[18]])  # node 3 below node 1
+        for select, message in [
+            ([[1, 0]], "the first node must be 0"),
+            ([[0, 9]], "is not a node"),
+            ([[0, 1, 1]], "names node 1 twice"),
+            ([[0, 3]], "its parent 1 is not selected"),
+            ([[0.0, 1.0]], "integer dtype"),
+        ]:
+            with pytest.raises((ValueError, TypeError), match=message):
+                s.verify_mask(select)
+        np.testing.assert_array_equal(s.verify_mask([[0, 1, 3, -1]])[3], -1)
+        with pytest.raises(ValueError, match="row_capacity"):
+            s.verify_mask(row_capacity=2)
+        with pytest.raises(ValueError, match="max_tokens"):
+            s.forced(max_tokens=-1)
+    with pytest.raises(TypeError, match="backend="):
+        ps.DraftSession([m], smollm2.size, device="cuda:0")
+    with pytest.raises(ValueError, match="same matcher object"):
+        ps.DraftSession([m, m], smollm2.size)
+    with pytest.raises(TypeError, match="vocab_size"):
+        ps.DraftSession([m], 49152.0)
+
+
+def test_outlines_depth_is_refused_before_the_guide_moves(smollm2):
+    pytest.importorskip("outlines_core")
+    from _engines import fingerprint
+
+    from portable_spec.demo import grammar_engines as ge
+
+    guide = ge.outlines_guide("json_schema", max_rollback=2)
+    before = fingerprint(guide, smollm2.words, PROBE)
+    with ps.DraftSession([guide], smollm2.size) as s:
+        s.extend([[0]], [[107]])
+        s.extend([[1]], [[18]])
+        with pytest.raises(ValueError, match="max_rollback >= 3"):
+            s.extend([[2]], [[18]])
+        assert s.nodes == 3
+    assert fingerprint(guide, smollm2.words, PROBE) == before
+
+
+def test_levels_added_without_masks_are_computed_when_needed(smollm2, tok):
+    """masks=False: the level is only staged; its rows come out of verify_mask, bit-identical;
+    a malformed one is refused there, naming it."""
+    m = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    toks = tok.encode('{"name": "A')
+    with ps.DraftSession([m], smollm2.size) as s:
+        assert s.extend([[0]], [[toks[0]]], masks=False) is None
+        assert s.extend([[1]], [[toks[1]]], masks=False) is None
+        assert s.nodes == 3
+        mask = s.verify_mask()
+        want = ps.build_grammar_vocab_mask(
+            [m], ps.GrammarTree.from_linear_chain([[0, *toks[:2]]]), smollm2.size
+        )
+        np.testing.assert_array_equal(mask, want)
+        s.extend([[7]], [[1]], masks=False)  # accepted now, refused when computed
+        with pytest.raises(ValueError, match="masks=False"):
+            s.verify_mask()
+        assert s.nodes == 3
+        np.testing.assert_array_equal(s.verify_mask(), want)
+
+
+# -- unconstrained and mixed batches -----------------------------------------------------------------
+def test_batches_without_grammars(smollm2):
+    with ps.DraftSession([None, None], smollm2.size) as s:
+        assert s.root_mask() is None
+        assert s.extend([[0], [-1]], [[5], [5]]) is None
+        assert s.verify_mask() is None
+        full = s.verify_mask(row_capacity=6)
+        assert full.shape == (6, smollm2.words) and (full == -1).all()
+        assert s.valid().tolist() == [[True, True], [True, False]]
+        assert s.forced() == [[], []]
+
+
+# -- forced continuations -------------------------------------------------------------------------
+def test_forced_chains_are_the_grammars(smollm2, tok):
+    from portable_spec.demo.grammars import PERSON_SCHEMA
+
+    compact = smollm2.compiler.compile_json_schema(json.dumps(PERSON_SCHEMA), any_whitespace=False)
+    m = xgr.GrammarMatcher(compact)
+    root = m.find_jump_forward_tokens()
+    assert root  # the schema forces '{"name": ...'
+    assert ps.forced_tokens([m, None], smollm2.size) == [root, []]
+    with ps.DraftSession([m], smollm2.size) as s:
+        assert s.forced(max_tokens=2) == [root[:2]]
+        s.extend([[0]], [[root[0]]])
+        fork = m.fork()
+        fork.accept_token(root[0])
+        assert s.forced([1]) == [fork.find_jump_forward_tokens()]
+        # a protocol matcher that can jump forward but not fork is replayed to the node
+        replayed = JumpingProtocolMatcher(xgr.GrammarMatcher(compact))
+        with ps.DraftSession([replayed], smollm2.size) as r:
+            r.extend([[0]], [[root[0]]])
+            assert r.forced([1]) == s.forced([1]) and replayed.depth == 0
+        # grafted onto a host tree: shared where the tree already has it
+        parents, tokens = s.tree()
+        p, t, chain = ps.graft_chain(parents[0], tokens[0], root, at=0)
+        assert chain[0] == 1 and p[chain[1]] == 1 and t[chain[-1]] == root[-1]
+        assert len(p) == 2 + len(root) - 1
+
+
+def test_forced_chains_of_other_engines(smollm2, tok):
+    llguidance = pytest.importorskip("llguidance")
+    pytest.importorskip("outlines_core")
+    from portable_spec.demo import grammar_engines as ge
+
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"hello world [0-9]+")
+    ll = llguidance.LLMatcher(ge.llguidance_tokenizer(), grammar, log_level=0)
+    want = ll.compute_ff_tokens()
+    assert tok.decode(want) == "hello world "
+    guide = ge.outlines_guide("regex")  # [0-9]{4}-[0-9]{2}-...: after 4 digits, "-" is forced
+    digits = tok.encode("2024")
+    with ps.DraftSession([ll, guide], smollm2.size) as s:
+        for i, d in enumerate(digits):
+            s.extend([[i], [i]], [[want[0]], [d]])
+        forced = s.forced([0, len(digits)])
+        assert forced[0] == want
+        # independent: the guide's only allowed token after the digits, replayed by hand
+        for d in digits:
+            guide.advance(d, return_tokens=False)
+        assert forced[1][:1] == guide.get_tokens() == [tok.encode("-")[0]]
+        guide.rollback_state(len(digits))
+
+
+# -- links and grafting ---------------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_links_from_parents_match_a_plain_loop(data):
+    batch = data.draw(st.integers(1, 3))
+    nodes = data.draw(st.integers(1, 12))
+    parents = np.full((batch, nodes), -1, np.int64)
+    for b in range(batch):
+        for v in range(1, nodes):
+            parents[b, v] = data.draw(st.integers(-1, v - 1))
+    nt, ns = ps.links_from_parents(parents)
+    for b in range(batch):
+        want_nt, want_ns, last = [-1] * nodes, [-1] * nodes, {}
+        for v in range(1, nodes):
+            p = int(parents[b, v])
+            if p < 0:
+                continue
+            if p in last:
+                want_ns[last[p]] = v
+            else:
+                want_nt[p] = v
+            last[p] = v
+        assert nt[b].tolist() == want_nt and ns[b].tolist() == want_ns
+
+
+# -- EAGLE-3 draft vocabulary ------------------------------------------------------------------------
+def test_draft_vocabulary_rows_follow_d2t(smollm2, tok):
+    """Draft row bit i = target row bit d2t[i] (checked token by token here); rows that
+    allow no draft token, and all-allowed rows, are all-allowed; the verify mask stays in the
+    target vocabulary."""
+    rng = np.random.default_rng(5)
+    d2t = np.sort(rng.choice(smollm2.size, 3001, replace=False))
+    quote = tok.encode('"')[0]
+    d2t[:3] = [107, quote, 9]  # '{', '"' in the draft vocabulary
+    d2t = np.sort(d2t)
+    m = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    with ps.DraftSession([m, None], smollm2.size, d2t=d2t) as s:
+        root = s.root_mask()
+        rows = s.extend([[0, 0], [0, 0]], [[tok.encode("{")[0], 7], [1, 2]])
+        verify = s.verify_mask()
+        target = verify
+    assert root.shape == (2, (3001 + 31) // 32) and rows.shape == (4, root.shape[1])
+    drafted = np.concatenate([root[:1], rows[:2], root[1:], rows[2:]])
+    for got, want in zip(drafted, target, strict=True):
+        if (want == -1).all():
+            assert (got == -1).all()
+            continue
+        bits = [(int(want[t >> 5]) >> (t & 31)) & 1 for t in d2t]
+        if not any(bits):
+            assert (got == -1).all()
+            continue
+        unpacked = np.unpackbits(got.view(np.uint8), bitorder="little")
+        assert unpacked[: len(d2t)].tolist() == bits
+        assert not unpacked[len(d2t) :].any()
+    assert verify.shape == (6, smollm2.words)
+    for bad, message in [
+        (np.array([0, smollm2.size]), "not a target token id"),
+        (np.zeros((2, 2), int), "1-D"),
+        (np.array([0.5]), "integer"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            ps.DraftSession([m], smollm2.size, d2t=bad)
+
+
+# -- every backend ---------------------------------------------------------------------------------
+def _session_device(target):
+    probe = target.put(np.zeros((8, 2), np.int64))
+    if target.backend == "numpy":
+        return {}
+    if target.backend == "cuda":
+        return {"device": probe.device}
+    return {"device": probe.sharding}
+
+
+def test_every_backend(target, smollm2):
+    """Rows of levels given as the target's arrays come back on the target's device (a
+    batch-sharded placement splits them by request) with the host session's bits."""
+    grammars = ["json_schema", None, "regex", "builtin_json", "json_schema", "ebnf", None, "regex"]
+    requests = [None if g is None else Request(smollm2.grammars[g]) for g in grammars]
+    rng = np.random.default_rng(1)
+    P1 = np.zeros((8, 2), np.int64)
+    T1 = np.zeros((8, 2), np.int64)
+    P2 = np.array([[1, 2]] * 8, np.int64)
+    T2 = np.zeros((8, 2), np.int64)
+    for b, r in enumerate(requests):
+        if r is None:
+            T1[b] = [5, 6]
+            T2[b] = [7, 8]
+            continue
+        m = r.fresh()
+        options = allowed_tokens(m, smollm2.words, smollm2.size)
+        T1[b] = [rng.choice(options), smollm2.eos if b % 2 else rng.integers(0, smollm2.size)]
+        m.accept_token(int(T1[b, 0]))
+        options = allowed_tokens(m, smollm2.words, smollm2.size)
+        T2[b] = [rng.choice(options), rng.choice(options)]
+    host = [[], None]
+    with ps.DraftSession([r and r.fresh() for r in requests], smollm2.size) as s:
+        host[0] = [s.root_mask(), s.extend(P1, T1), s.extend(P2, T2)]
+        host[1] = s.verify_mask()
+    with ps.DraftSession(
+        [r and r.fresh() for r in requests], smollm2.size, **_session_device(target)
+    ) as s:
+        got = [
+            s.root_mask(),
+            s.extend(target.put(P1), target.put(T1)),
+            s.extend(target.put(P2), target.put(T2)),
+        ]
+        verify = s.verify_mask(target.put(np.tile(np.arange(5), (8, 1))))
+    for mask, want in zip([*got, verify], [*host[0], host[1]], strict=True):
+        assert ps.backend_for(mask).name == target.backend
+        target.check_placement(mask)
+        np.testing.assert_array_equal(target.get(mask), want)
+
+
+@pytest.mark.parametrize("kind", ["xgrammar", "protocol", "forking", "llguidance"])
+def test_end_tokens_terminate_their_node(smollm2, tok, kind):
+    """'a' may end the text or go on with 'b': the end token's node is valid and all-allowed,
+    nothing below it is valid; the 'b' node allows the end token only."""
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    eos = smollm2.eos
+    grammar = smollm2.compiler.compile_grammar('root ::= "a" | "ab"')
+    if kind == "llguidance":
+        llguidance = pytest.importorskip("llguidance")
+        from portable_spec.demo import grammar_engines as ge
+
+        lark = llguidance.LLMatcher.grammar_from_lark('start: "a" | "ab"')
+        matcher = llguidance.LLMatcher(ge.llguidance_tokenizer(), lark, log_level=0)
+    elif kind == "xgrammar":
+        matcher = xgr.GrammarMatcher(grammar)
+    elif kind == "protocol":
+        matcher = ProtocolMatcher(xgr.GrammarMatcher(grammar))
+    else:
+        matcher = ForkingProtocolMatcher(xgr.GrammarMatcher(grammar))
+    with ps.DraftSession([matcher], smollm2.size) as s:
+        s.extend([[0]], [[a]])
+        rows = np.asarray(s.extend([[1, 1]], [[eos, b]]))
+        below = np.asarray(s.extend([[2, 3, 3]], [[a, eos, a]]))
+        assert s.valid().tolist() == [[True, True, True, True, False, True, False]]
+        mask = s.verify_mask()
+        tree = s.verify_tree()
+    assert (rows[0] == -1).all()  # the end token: terminated
+    allowed = np.flatnonzero(np.unpackbits(rows[1].view(np.uint8), bitorder="little"))
+    assert allowed.tolist() == [eos]
+    assert (below == -1).all()
+    want = ps.build_grammar_vocab_mask([xgr.GrammarMatcher(grammar)], tree, smollm2.size)
+    np.testing.assert_array_equal(mask, want)
+
+
+def test_a_bad_row_capacity_is_refused_before_the_level_is_added(smollm2):
+    m = ProtocolMatcher(xgr.GrammarMatcher(smollm2.grammars["json_schema"]))
+    with ps.DraftSession([m, None], smollm2.size) as s:
+        with pytest.raises(ValueError, match="row_capacity"):
+            s.extend([[0, 0], [0, 0]], [[107, 18], [1, 2]], row_capacity=3)
+        assert s.nodes == 1 and not m.calls[1:]  # only the root's fill
+        rows = s.extend([[0, 0], [0, 0]], [[107, 18], [1, 2]], row_capacity=5)
+        assert rows.shape == (5, smollm2.words) and (rows[4] == -1).all()
+        with pytest.raises(ValueError, match="row_capacity"):
+            s.root_mask(row_capacity=1)
