@@ -60,6 +60,15 @@ SUITES: tuple[Suite, ...] = (
     # CUDA-specific tests: streams, pool reuse under load, xgrammar's CUDA and Triton kernels,
     # dtypes, odd vocabularies, strided and > 2**31-element logits
     Suite("cuda tests", ("tests/test_cuda_*.py",), limit_s=150.0),
+    # grammar-aware drafting: a session's level rows on the accelerator's own arrays
+    Suite(
+        "drafting",
+        ("tests/test_drafting.py",),
+        gpu_args=("-k", "every_backend", "--backend=torch-cuda", "--backend=jax-gpu"),
+        cpu_args=("-k", "every_backend", "--backend=numpy", "--backend=torch-cpu"),
+        gpu_must_pass=("torch-cuda", "jax-gpu"),
+        limit_s=60.0,
+    ),
 )
 
 #: skip reasons that mean "no GPU here": a failure on the GPU machine

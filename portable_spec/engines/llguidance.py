@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.walk import ENDED_FREE, ENDED_HELD, LIVE, REFUSED, walk_tree
 
 __all__ = [
     "check_llmatcher",
@@ -95,6 +96,38 @@ def _width_candidates(matcher: Any, model_words: int) -> list[int]:
     return candidates
 
 
+class _LLSteps:
+    """An ``LLMatcher``'s moves for the shared walk: only tokens the parent's row allows are
+    consumed, through ``try_consume_tokens`` (never the error state)."""
+
+    def __init__(self, matcher: Any, rows: np.ndarray) -> None:
+        self.matcher = matcher
+        self.base, self.row_bytes = rows.ctypes.data, rows.strides[0]
+        self.nbytes = rows.shape[1] * 4
+        # complete grammar at a node: only the end token may follow, consumed without a trace
+        self.stopped = [False] * rows.shape[0]
+
+    def start(self) -> bool:
+        self.stopped[0] = self.matcher.is_stopped()
+        return self.matcher.stop_reason() != _ENDED
+
+    def fill(self, node: int) -> None:
+        self.matcher.unsafe_compute_mask_ptr(self.base + node * self.row_bytes, self.nbytes)
+
+    def advance(self, token: int, parent: int, node: int) -> int:
+        if self.stopped[parent]:
+            return ENDED_FREE  # the end token after a complete grammar: terminated
+        if self.matcher.try_consume_tokens([token]) != 1:
+            return REFUSED
+        if self.matcher.stop_reason() == _ENDED:
+            return ENDED_HELD  # the end token: terminated (rolled back with the next move)
+        self.stopped[node] = self.matcher.is_stopped()
+        return LIVE
+
+    def rollback(self, count: int) -> None:
+        self.matcher.rollback(count)
+
+
 def walk_llguidance(
     matcher: Any,
     next_token: list[int],
@@ -103,64 +136,11 @@ def walk_llguidance(
     rows: np.ndarray,
     vocab_limit: int,
 ) -> tuple[list[bool], int, int]:
-    """Fill ``rows`` for one request with an iterative depth-first walk of ``matcher``.
-
-    Same arguments and result as :func:`portable_spec.engines.generic.walk_generic`. Only
-    tokens the parent's row allows are consumed; the matcher is rolled back to where it
-    started, also when one of its methods raises.
-    """
-    nodes = len(next_token)
-    filled = [False] * nodes
-    if matcher.stop_reason() == _ENDED:
-        return filled, 0, 0
-    base, row_bytes, nbytes = rows.ctypes.data, rows.strides[0], rows.shape[1] * 4
-    compute, consume = matcher.unsafe_compute_mask_ptr, matcher.try_consume_tokens
-    compute(base, nbytes)
-    filled[0] = True
-    stopped = [False] * nodes  # complete grammar at the node: only the end token may follow
-    stopped[0] = matcher.is_stopped()
-
-    def children(v: int) -> list[int]:
-        kids = []
-        c = next_token[v]
-        while c != -1:
-            kids.append(c)
-            c = next_sibling[c]
-        return kids
-
-    stack = [(c, 0, 1) for c in reversed(children(0))]
-    checked, rejected = len(stack), 0
-    held = 0  # tokens the matcher holds beyond its starting state
-    try:
-        while stack:
-            node, parent, depth = stack.pop()
-            token = draft[node]
-            if not 0 <= token < vocab_limit or not (
-                (int(rows[parent, token >> 5]) >> (token & 31)) & 1
-            ):
-                rejected += 1
-                continue
-            if stopped[parent]:
-                continue  # the end token after a complete grammar: terminated
-            if held >= depth:  # leave the previous sibling's subtree
-                matcher.rollback(held - depth + 1)
-                held = depth - 1
-            if consume([token]) != 1:
-                rejected += 1  # the matcher disagrees with its own mask
-                continue
-            held = depth
-            if matcher.stop_reason() == _ENDED:
-                continue  # the end token: terminated (rolled back with the next move)
-            compute(base + node * row_bytes, nbytes)
-            filled[node] = True
-            stopped[node] = matcher.is_stopped()
-            kids = children(node)
-            checked += len(kids)
-            stack.extend((c, node, depth + 1) for c in reversed(kids))
-    finally:
-        if held:
-            matcher.rollback(held)
-    return filled, checked, rejected
+    """Fill ``rows`` for one request of an ``LLMatcher`` by the shared iterative walk
+    (:func:`portable_spec.engines.walk.walk_tree`: same arguments after ``matcher``, same
+    result). The matcher is rolled back to where it started, also when it raises."""
+    steps = _LLSteps(matcher, rows)
+    return walk_tree(steps, next_token, next_sibling, draft, rows, vocab_limit)
 
 
 # -- chains: llguidance's parallel executor ----------------------------------------------------

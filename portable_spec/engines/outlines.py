@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.walk import ENDED_FREE, LIVE, REFUSED, walk_tree
 
 __all__ = ["STATE_ROWS_BUDGET", "StateRows", "is_guide", "probe_outlines", "walk_outlines"]
 
@@ -126,6 +127,39 @@ class StateRows:
 state_rows = StateRows()
 
 
+class _GuideSteps:
+    """An ``outlines_core.Guide``'s moves for the shared walk, rows kept by DFA state."""
+
+    def __init__(self, guide: Any, rows: np.ndarray) -> None:
+        self.guide = guide
+        self.rows = rows
+        self.base, self.row_bytes, self.words = rows.ctypes.data, rows.strides[0], rows.shape[1]
+
+    def start(self) -> bool:
+        return True  # a guide never shows that its text ended
+
+    def fill(self, node: int) -> None:
+        state = self.guide.get_state()
+        row = state_rows.get(self.guide, state, self.words)
+        if row is None:
+            self.guide.write_mask_into(self.base + node * self.row_bytes, self.words, 4)
+            state_rows.put(self.guide, state, self.rows[node])
+        else:
+            self.rows[node] = row
+
+    def advance(self, token: int, parent: int, node: int) -> int:
+        try:
+            self.guide.advance(token, return_tokens=False)
+        except ValueError:
+            # allowed by the mask but no transition: the end token below a final state
+            # (terminated), else a token into a dead state (rejected)
+            return ENDED_FREE if self.guide.is_finished() else REFUSED
+        return LIVE
+
+    def rollback(self, count: int) -> None:
+        self.guide.rollback_state(count)
+
+
 def walk_outlines(
     guide: Any,
     next_token: list[int],
@@ -134,77 +168,9 @@ def walk_outlines(
     rows: np.ndarray,
     vocab_limit: int,
 ) -> tuple[list[bool], int, int]:
-    """Fill ``rows`` for one request with an iterative depth-first walk of ``guide``.
-
-    Args:
-        guide: an ``outlines_core.Guide`` in the request's current state; its ``max_rollback``
-            must cover the tree's depth (checked by the builder beforehand).
-        next_token, next_sibling, draft: this request's links and tokens (validated).
-        rows: C-contiguous int32 ``[nodes, words]``.
-        vocab_limit: tokens at or above this are rejected without asking the guide.
-
-    Returns:
-        ``(filled, checked, rejected)`` as :func:`portable_spec.engines.generic.walk_generic`.
-        The guide is back in its starting state, also when one of its methods raises.
-    """
-    nodes = len(next_token)
-    filled = [False] * nodes
-    base = rows.ctypes.data
-    row_bytes = rows.strides[0]
-    words = rows.shape[1]
-    write, advance, state_of = guide.write_mask_into, guide.advance, guide.get_state
-    cached, keep = state_rows.get, state_rows.put
-
-    def fill(node: int) -> None:
-        state = state_of()
-        row = cached(guide, state, words)
-        if row is None:
-            write(base + node * row_bytes, words, 4)
-            keep(guide, state, rows[node])
-        else:
-            rows[node] = row
-
-    fill(0)
-    filled[0] = True
-
-    def children(v: int) -> list[int]:
-        kids = []
-        c = next_token[v]
-        while c != -1:
-            kids.append(c)
-            c = next_sibling[c]
-        return kids
-
-    stack = [(c, 0, 1) for c in reversed(children(0))]
-    checked, rejected = len(stack), 0
-    depth_now = 0  # states the guide holds beyond its starting one
-    try:
-        while stack:
-            node, parent, depth = stack.pop()
-            token = draft[node]
-            if not 0 <= token < vocab_limit or not (
-                (int(rows[parent, token >> 5]) >> (token & 31)) & 1
-            ):
-                rejected += 1
-                continue
-            if depth_now >= depth:  # leave the previous sibling's subtree
-                guide.rollback_state(depth_now - depth + 1)
-                depth_now = depth - 1
-            try:
-                advance(token, return_tokens=False)
-            except ValueError:
-                # allowed by the mask but no transition: the end token below a final
-                # state (terminated), else a token into a dead state (rejected)
-                if not guide.is_finished():
-                    rejected += 1
-                continue
-            depth_now = depth
-            fill(node)
-            filled[node] = True
-            kids = children(node)
-            checked += len(kids)
-            stack.extend((c, node, depth + 1) for c in reversed(kids))
-    finally:
-        if depth_now:
-            guide.rollback_state(depth_now)
-    return filled, checked, rejected
+    """Fill ``rows`` for one request with the shared iterative walk of ``guide``
+    (:func:`portable_spec.engines.walk.walk_tree`: same arguments after ``guide``, same
+    result). Its ``max_rollback`` must cover the tree's depth (checked by the builder
+    beforehand); the guide is back in its starting state, also when it raises."""
+    steps = _GuideSteps(guide, rows)
+    return walk_tree(steps, next_token, next_sibling, draft, rows, vocab_limit)
