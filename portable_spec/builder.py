@@ -250,22 +250,8 @@ def build_host_bitmask(
         tree.is_chain,
         live,
     )
-    seconds = [0.0] * len(jobs)
-
-    def run_job(i: int) -> None:
-        start = perf_counter()
-        try:
-            jobs[i]()
-        finally:
-            seconds[i] = perf_counter() - start
-
     parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
-    try:
-        run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
-    except WorkItemError as exc:
-        if isinstance(exc.error, MatcherError):  # a batch-wide job named its request
-            raise exc.error from exc.error.error
-        raise MatcherError(owners[exc.index], exc.error) from exc.error
+    seconds = run_jobs(jobs, owners, parallel)
     # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
     # or a request split over several walks) are repaired here, vectorized over the batch.
     in_job = compiled.native is not None
@@ -277,11 +263,49 @@ def build_host_bitmask(
     valid = None
     if live is not None:
         valid = _valid_nodes(mask, tree, draft, kinds, infos, root_ok, vocab_size, live)
+    account(constrained, owners, seconds, counts, rows, (started, resolved))
+    return mask if valid is None else (mask, valid)
+
+
+def run_jobs(jobs: list[Callable[[], None]], owners: list[int], parallel: bool) -> list[float]:
+    """Run a build's jobs (on the pool when ``parallel`` and there are several) and return
+    each one's seconds; a failing job raises :class:`MatcherError` naming its request
+    (``owners[i]`` for job ``i``, unless the job named it itself)."""
+    seconds = [0.0] * len(jobs)
+
+    def run_job(i: int) -> None:
+        start = perf_counter()
+        try:
+            jobs[i]()
+        finally:
+            seconds[i] = perf_counter() - start
+
+    try:
+        run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
+    except WorkItemError as exc:
+        if isinstance(exc.error, MatcherError):  # a batch-wide job named its request
+            raise exc.error from exc.error.error
+        raise MatcherError(owners[exc.index], exc.error) from exc.error
+    return seconds
+
+
+def account(
+    constrained: list[int],
+    owners: list[int],
+    seconds: list[float],
+    counts: np.ndarray,
+    rows: int,
+    times: tuple[float, float],
+) -> None:
+    """Record a build in :func:`portable_spec.grammar_stats`: each request's walk time (its
+    jobs summed), ``rows`` produced, the node counts, and the phases from ``times``
+    (``(started, tree resolved)``, perf_counter seconds) to now."""
     per_request = dict.fromkeys(constrained, 0.0)
     for owner, spent in zip(owners, seconds, strict=True):
         if owner in per_request:
             per_request[owner] += spent
     checked, rejected = (int(n) for n in counts.sum(axis=0))
+    started, resolved = times
     record_build(
         per_request.items(),
         rows,
@@ -290,7 +314,6 @@ def build_host_bitmask(
         checked_nodes=checked,
         rejected_nodes=rejected,
     )
-    return mask if valid is None else (mask, valid)
 
 
 def _make_jobs(

@@ -42,6 +42,8 @@ from portable_spec.builder import (
     _subtree_job,
     _walk_requests,
     _xgrammar_job,
+    account,
+    run_jobs,
 )
 from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.llguidance import fill_llguidance_chains
@@ -49,9 +51,8 @@ from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import LLGUIDANCE, NONE, OUTLINES, words_for
 from portable_spec.masks import CompactMask, compact_views, index_words
-from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
+from portable_spec.pool import get_num_threads
 from portable_spec.split import Split
-from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_compact_bitmask", "check_compact_out", "keep_rows", "take_rows"]
@@ -425,22 +426,8 @@ def build_compact_bitmask(
         vocab_size,
         tree.is_chain,
     )
-    seconds = [0.0] * len(jobs)
-
-    def run_job(i: int) -> None:
-        start = perf_counter()
-        try:
-            jobs[i]()
-        finally:
-            seconds[i] = perf_counter() - start
-
     parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
-    try:
-        run_indexed(run_job, len(jobs), parallel=parallel and len(jobs) > 1)
-    except WorkItemError as exc:
-        if isinstance(exc.error, MatcherError):
-            raise exc.error from exc.error.error
-        raise MatcherError(owners[exc.index], exc.error) from exc.error
+    seconds = run_jobs(jobs, owners, parallel)
     for b in sorted(splits):  # walked in pieces: decide and commit now
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         links = (next_token[b], next_sibling[b], draft[b])
@@ -451,19 +438,7 @@ def build_compact_bitmask(
         )
         sink.commit(b, block, kept, recycle=False)
     count = sink.finish()
-    per_request = dict.fromkeys(constrained, 0.0)
-    for owner, spent in zip(owners, seconds, strict=True):
-        if owner in per_request:
-            per_request[owner] += spent
-    checked, rejected = (int(n) for n in counts.sum(axis=0))
-    record_build(
-        per_request.items(),
-        count,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
+    account(constrained, owners, seconds, counts, count, (started, resolved))
     if max_rows is not None and count > max_rows:
         raise ValueError(
             f"the build lists {count} rows (accepted, non-terminated nodes of constrained "

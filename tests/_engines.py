@@ -177,3 +177,42 @@ def fingerprint(matcher: Any, words: int, probe: list[int]) -> tuple:
         matcher.write_mask_into(row.ctypes.data, words, 4)
         return (matcher.get_state(), matcher.get_allowed_rollback(), row.tobytes())
     raise TypeError(kind)
+
+
+XGRAMMAR_KINDS = ("json_schema", "regex", "builtin_json")
+
+
+def engine_factory(vocab: Any, engines: tuple[str, ...], xgrammar_kinds=XGRAMMAR_KINDS):
+    """``(make_request, kinds)`` for ``_cases.draw_case``: kinds are ``"engine:grammar"``
+    strings for each of ``engines``, ``make_request`` builds the request of one."""
+    from portable_spec.demo import grammar_engines as ge
+
+    def make(kind: str) -> Request:
+        engine, kind = kind.split(":")
+        if engine == "xgrammar":
+            return Request(vocab.grammars[kind])
+        return engine_request(engine, kind, vocab.eos)
+
+    kinds = []
+    for engine in engines:
+        own = xgrammar_kinds if engine == "xgrammar" else ge.ENGINE_KINDS[engine]
+        kinds.extend(f"{engine}:{k}" for k in own)
+    return make, tuple(kinds)
+
+
+def matcher_prints(matchers: list[Any], words: int, probe: list[int]) -> list[Any]:
+    """Every matcher's observable state, whatever its engine (``None`` entries kept): for
+    the "every matcher ends where it started" checks."""
+    from _oracle import ProtocolMatcher, matcher_state
+
+    prints: list[Any] = []
+    for m in matchers:
+        if m is None:
+            prints.append(None)
+        elif isinstance(m, ProtocolMatcher):
+            prints.append(("protocol", m.depth, matcher_state(m.inner, probe, words)))
+        elif hasattr(m, "traverse_draft_tree"):
+            prints.append(matcher_state(m, probe, words))
+        else:
+            prints.append(fingerprint(m, words, probe))
+    return prints

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _cases import draw_case
-from _oracle import Request, assert_compact_matches, expected_node_counts, matcher_state
+from _oracle import assert_compact_matches, expected_node_counts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 llguidance = pytest.importorskip("llguidance")
 outlines_core = pytest.importorskip("outlines_core")
 
-from _engines import engine_request, fingerprint  # noqa: E402
+from _engines import engine_factory, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
 import portable_spec.builder as builder_module  # noqa: E402
@@ -27,35 +27,6 @@ SETTINGS = settings(
 PROBE = [0, 1, 2, 100, 1000, 18, 107]
 
 
-def _prints(case, words):
-    return [
-        None
-        if m is None
-        else matcher_state(m, PROBE, words)
-        if hasattr(m, "traverse_draft_tree")
-        else fingerprint(m, words, PROBE)
-        for m in case.matchers
-    ]
-
-
-def _factory(smollm2, engines):
-    def make(kind: str) -> Request:
-        engine, kind = kind.split(":")
-        if engine == "xgrammar":
-            return Request(smollm2.grammars[kind])
-        return engine_request(engine, kind, smollm2.eos)
-
-    kinds = []
-    for engine in engines:
-        own = (
-            ("json_schema", "regex", "builtin_json")
-            if engine == "xgrammar"
-            else ge.ENGINE_KINDS[engine]
-        )
-        kinds.extend(f"{engine}:{k}" for k in own)
-    return make, tuple(kinds)
-
-
 @pytest.mark.parametrize(
     "engines", [("llguidance",), ("outlines",), ("xgrammar", "llguidance", "outlines")]
 )
@@ -63,9 +34,9 @@ def _factory(smollm2, engines):
 @given(data=st.data())
 def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
     monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
-    make, kinds = _factory(smollm2, engines)
+    make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
-    before = _prints(case, smollm2.words)
+    before = matcher_prints(case.matchers, smollm2.words, PROBE)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
     ps.reset_grammar_stats()
     mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, layout="compact")
@@ -75,7 +46,7 @@ def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatc
         arrays = (case.next_token, case.next_sibling, case.draft)
         want = expected_node_counts(case.requests, *arrays, case.vocab_size, smollm2.words)
         assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
-    assert _prints(case, smollm2.words) == before
+    assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
 @pytest.mark.parametrize("engines", [("llguidance",), ("llguidance", "xgrammar", "outlines")])
@@ -84,12 +55,12 @@ def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatc
 def test_compact_chains_match_oracle(smollm2, engines, data):
     """Chains take llguidance's one-call executor fill (into a block of the group's own,
     then each request's live prefix is committed)."""
-    make, kinds = _factory(smollm2, engines)
+    make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
     case.next_sibling = np.full((batch, nodes), -1)
-    before = _prints(case, smollm2.words)
+    before = matcher_prints(case.matchers, smollm2.words, PROBE)
     mask = ps.build_host_bitmask(
         case.matchers,
         ps.GrammarTree.from_linear_chain(case.draft),
@@ -98,7 +69,7 @@ def test_compact_chains_match_oracle(smollm2, engines, data):
         max_rows=batch * nodes,
     )
     assert_compact_matches(case, smollm2.words, mask)
-    assert _prints(case, smollm2.words) == before
+    assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
 def test_broken_llguidance_chain_matcher_is_named(smollm2):

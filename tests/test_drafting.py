@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 from _cases import allowed_tokens, draw_case
+from _engines import engine_factory, matcher_prints
 from _oracle import (
     FailingMatcher,
     ProtocolMatcher,
     Request,
     expected_mask,
-    matcher_state,
     parents_of,
 )
 from hypothesis import HealthCheck, given, settings
@@ -122,22 +122,6 @@ def oracle_valid(request, next_token, next_sibling, draft, vocab, grammar_words)
     return valid
 
 
-def prints(matchers, words):
-    out = []
-    for m in matchers:
-        if m is None:
-            out.append(None)
-        elif isinstance(m, ProtocolMatcher):
-            out.append(("protocol", m.depth, matcher_state(m.inner, PROBE, words)))
-        elif hasattr(m, "traverse_draft_tree"):
-            out.append(matcher_state(m, PROBE, words))
-        else:
-            from _engines import fingerprint
-
-            out.append(fingerprint(m, words, PROBE))
-    return out
-
-
 def run_levels(session, levels, lazy=()):
     """Submit every level (those whose index is in ``lazy`` with ``masks=False``); returns
     each level's host rows (None for lazy ones)."""
@@ -188,7 +172,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
     monkeypatch.setattr(drafting_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case = draw_case(data, smollm2, protocol=protocol, max_nodes=16)
     words = smollm2.words
-    before = prints(case.matchers, words)
+    before = matcher_prints(case.matchers, words, PROBE)
     levels, select = levels_of(case, data)
     want = expected_mask(
         case.requests, case.next_token, case.next_sibling, case.draft, case.vocab_size, words
@@ -217,7 +201,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
                     if v >= 0:
                         expect[b * k + j] = want[b * nodes + v]
             np.testing.assert_array_equal(rows, expect)
-        assert prints(case.matchers, words) == before  # nothing moved while drafting
+        assert matcher_prints(case.matchers, words, PROBE) == before  # nothing moved while drafting
         assert s.nodes == 1 + sum(level[0].shape[1] for level in levels)
         mask = s.verify_mask(select)
         tree = s.verify_tree(select)
@@ -242,7 +226,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
         assert mask is None
         return
     np.testing.assert_array_equal(mask, want)
-    assert prints(case.matchers, words) == before
+    assert matcher_prints(case.matchers, words, PROBE) == before
     built = ps.build_grammar_vocab_mask(case.matchers, tree, case.vocab_size)
     np.testing.assert_array_equal(built, mask)
     for b, request in enumerate(case.requests):
@@ -260,7 +244,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
     assert sub_mask.shape == (batch * width + 3, want.shape[1])
     np.testing.assert_array_equal(sub_mask[: batch * width], built)
     assert (sub_mask[batch * width :] == -1).all()
-    assert prints(case.matchers, words) == before
+    assert matcher_prints(case.matchers, words, PROBE) == before
 
 
 @pytest.mark.parametrize(
@@ -277,42 +261,23 @@ def test_other_engines_match_the_oracle(smollm2, engines, data):
     alone and mixed with xgrammar: same bits as the oracle, guides and matchers restored."""
     pytest.importorskip("llguidance")
     pytest.importorskip("outlines_core")
-    make, kinds = _engine_factory(smollm2, engines)
+    make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     words = smollm2.words
-    before = prints(case.matchers, words)
+    before = matcher_prints(case.matchers, words, PROBE)
     levels, select = levels_of(case, data)
     want = expected_mask(
         case.requests, case.next_token, case.next_sibling, case.draft, case.vocab_size, words
     )
     with ps.DraftSession(case.matchers, case.vocab_size) as s:
         run_levels(s, levels)
-        assert prints(case.matchers, words) == before
+        assert matcher_prints(case.matchers, words, PROBE) == before
         mask = s.verify_mask(select)
     if all(r is None for r in case.requests):
         assert mask is None
     else:
         np.testing.assert_array_equal(mask, want)
-    assert prints(case.matchers, words) == before
-
-
-def _engine_factory(smollm2, engines):
-    """``make_request(kind)`` drawing each request's engine from ``engines``."""
-    from _engines import engine_request
-
-    from portable_spec.demo import grammar_engines as ge
-
-    def make(kind):
-        engine, kind = kind.split(":")
-        if engine == "xgrammar":
-            return Request(smollm2.grammars[kind])
-        return engine_request(engine, kind, smollm2.eos)
-
-    kinds = []
-    for engine in engines:
-        own = ("json_schema", "regex") if engine == "xgrammar" else ge.ENGINE_KINDS[engine]
-        kinds.extend(f"{engine}:{k}" for k in own)
-    return make, tuple(kinds)
+    assert matcher_prints(case.matchers, words, PROBE) == before
 
 
 # -- incremental, untouched, released ------------------------------------------------------------

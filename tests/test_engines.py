@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 llguidance = pytest.importorskip("llguidance")
 outlines_core = pytest.importorskip("outlines_core")
 
-from _engines import engine_request, fingerprint  # noqa: E402
+from _engines import engine_factory, fingerprint, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
 import portable_spec.builder as builder_module  # noqa: E402
@@ -32,39 +32,6 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 PROBE = [0, 1, 2, 100, 1000, 18, 107]
-
-
-def _prints(case, words):
-    """Every matcher's observable state (xgrammar: mask and probe acceptances)."""
-    prints = []
-    for m in case.matchers:
-        if m is None:
-            prints.append(None)
-        elif hasattr(m, "traverse_draft_tree"):
-            prints.append(matcher_state(m, PROBE, words))
-        else:
-            prints.append(fingerprint(m, words, PROBE))
-    return prints
-
-
-def _factory(smollm2, engines):
-    """``make_request(kind)`` drawing the engine of each request from ``engines``."""
-
-    def make(kind: str) -> Request:
-        engine, kind = kind.split(":")
-        if engine == "xgrammar":
-            return Request(smollm2.grammars[kind])
-        return engine_request(engine, kind, smollm2.eos)
-
-    kinds = []
-    for engine in engines:
-        own = (
-            ("json_schema", "regex", "builtin_json")
-            if engine == "xgrammar"
-            else ge.ENGINE_KINDS[engine]
-        )
-        kinds.extend(f"{engine}:{k}" for k in own)
-    return make, tuple(kinds)
 
 
 @pytest.mark.parametrize(
@@ -80,9 +47,9 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
     monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
-    make, kinds = _factory(smollm2, engines)
+    make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
-    before = _prints(case, smollm2.words)
+    before = matcher_prints(case.matchers, smollm2.words, PROBE)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
     ps.reset_grammar_stats()
     mask, valid = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, return_valid=True)
@@ -96,7 +63,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
         arrays = (case.next_token, case.next_sibling, case.draft)
         want = expected_node_counts(case.requests, *arrays, case.vocab_size, smollm2.words)
         assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
-    assert _prints(case, smollm2.words) == before
+    assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
 @pytest.mark.parametrize("engine", ["llguidance", "outlines"])
@@ -104,7 +71,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
 @given(data=st.data())
 def test_chains_match_oracle(smollm2, engine, data):
     """Chains (from_linear_chain) take llguidance's one-call chain fill; same bits."""
-    make, kinds = _factory(smollm2, (engine,))
+    make, kinds = engine_factory(smollm2, (engine,))
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))

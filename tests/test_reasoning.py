@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 from _cases import draw_case
-from _oracle import ProtocolMatcher, Request, expected_reasoning_mask, matcher_state
+from _oracle import ProtocolMatcher, expected_reasoning_mask, matcher_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,20 +47,10 @@ def test_matches_the_replay_oracle(smollm2, engines, builder_mode, data):
     if engines == "mixed":
         pytest.importorskip("llguidance")
         pytest.importorskip("outlines_core")
-        from _engines import engine_request
+        from _engines import engine_factory
 
-        from portable_spec.demo import grammar_engines as ge
-
-        def make(kind):
-            engine, kind = kind.split(":")
-            if engine == "xgrammar":
-                return Request(smollm2.grammars[kind])
-            return engine_request(engine, kind, smollm2.eos)
-
-        kinds = ["xgrammar:json_schema", "xgrammar:regex"]
-        kinds += [f"llguidance:{k}" for k in ge.ENGINE_KINDS["llguidance"]]
-        kinds += [f"outlines:{k}" for k in ge.ENGINE_KINDS["outlines"]]
-        case = draw_case(data, smollm2, kinds=tuple(kinds), make_request=make, protocol=False)
+        make, kinds = engine_factory(smollm2, ("xgrammar", "llguidance", "outlines"))
+        case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     else:
         case = draw_case(data, smollm2)
     reasoning = _draw_reasoning(data, case, smollm2)
