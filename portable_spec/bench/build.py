@@ -150,6 +150,43 @@ def _python_walk(matcher: Any, links: Any, siblings: Any, tokens: Any, rows: Any
     return filled
 
 
+def library_build(
+    batch: Batch, vocab_size: int, out: Any, *, chain: bool, **options: Any
+) -> Callable[[], Any]:
+    """portable_spec's build as an engine runs it every step, on one round's batch: the tree
+    from the round's arrays (``from_linear_chain`` when ``chain``), then
+    ``build_host_bitmask(..., out=out, **options)``."""
+    import portable_spec as ps
+
+    matchers, draft = batch.matchers, batch.draft_tokens
+    if chain:
+        return lambda: ps.build_host_bitmask(
+            matchers, ps.GrammarTree.from_linear_chain(draft), vocab_size, out=out, **options
+        )
+    links, siblings = batch.next_token, batch.next_sibling
+    return lambda: ps.build_host_bitmask(
+        matchers, ps.GrammarTree.from_host(links, siblings, draft), vocab_size, out=out, **options
+    )
+
+
+def xgrammar_loop(batch: Batch, reused: np.ndarray) -> Callable[[], np.ndarray]:
+    """xgrammar's ``traverse_draft_tree`` request by request on one thread into ``reused``
+    (``[batch * nodes, words]`` int32), every per-request array prepared beforehand."""
+    n = batch.nodes
+    work = [
+        (m.traverse_draft_tree, batch.next_token[b], batch.next_sibling[b],
+         batch.draft_tokens[b], reused[b * n : (b + 1) * n])
+        for b, m in enumerate(batch.matchers)
+    ]  # fmt: skip
+
+    def call() -> np.ndarray:
+        for traverse, links, siblings, tokens, rows in work:
+            traverse(links, siblings, tokens, rows)
+        return reused
+
+    return call
+
+
 def build_methods(
     vocab_size: int, words: int, shape: str, out: np.ndarray, reused: np.ndarray
 ) -> list[Method[Batch]]:
@@ -159,33 +196,11 @@ def build_methods(
     import torch
     import xgrammar as xgr
 
-    import portable_spec as ps
-
     def ours(batch: Batch) -> Callable[[], Any]:
-        matchers, draft = batch.matchers, batch.draft_tokens
-        if shape == "chain":
-            return lambda: ps.build_host_bitmask(
-                matchers, ps.GrammarTree.from_linear_chain(draft), vocab_size, out=out
-            )
-        links, siblings = batch.next_token, batch.next_sibling
-        return lambda: ps.build_host_bitmask(
-            matchers, ps.GrammarTree.from_host(links, siblings, draft), vocab_size, out=out
-        )
+        return library_build(batch, vocab_size, out, chain=shape == "chain")
 
     def xgr_reused(batch: Batch) -> Callable[[], Any]:
-        n = batch.nodes
-        work = [
-            (m.traverse_draft_tree, batch.next_token[b], batch.next_sibling[b],
-             batch.draft_tokens[b], reused[b * n : (b + 1) * n])
-            for b, m in enumerate(batch.matchers)
-        ]  # fmt: skip
-
-        def call() -> np.ndarray:
-            for traverse, links, siblings, tokens, rows in work:
-                traverse(links, siblings, tokens, rows)
-            return reused
-
-        return call
+        return xgrammar_loop(batch, reused)
 
     def xgr_fresh(batch: Batch) -> Callable[[], Any]:
         n = batch.nodes

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec.bench.build import library_build, xgrammar_loop
 from portable_spec.bench.timing import (
     Method,
     QuietPolicy,
@@ -228,37 +229,16 @@ def _engine_loop(engine: str, eos: int, words: int, vocab_size: int) -> Callable
 def _methods(
     engine: str, setup: Setup, shape: str, out: np.ndarray, reused: np.ndarray, threads: int
 ) -> list[Method[Batch]]:
-    import portable_spec as ps
-
     vocab_size, words = setup.vocab_size, setup.words
 
     def ours(batch: Batch) -> Callable[[], Any]:
-        matchers, draft = batch.matchers, batch.draft_tokens
-        if shape == "chain":
-            return lambda: ps.build_host_bitmask(
-                matchers, ps.GrammarTree.from_linear_chain(draft), vocab_size, out=out
-            )
-        links, siblings = batch.next_token, batch.next_sibling
-        return lambda: ps.build_host_bitmask(
-            matchers, ps.GrammarTree.from_host(links, siblings, draft), vocab_size, out=out
-        )
+        return library_build(batch, vocab_size, out, chain=shape == "chain")
 
     def engine_loop(batch: Batch) -> Callable[[], Any]:
+        if engine == "xgrammar":
+            return xgrammar_loop(batch, reused)
         n = batch.nodes
         blocks = [reused[b * n : (b + 1) * n] for b in range(batch.batch)]
-        if engine == "xgrammar":
-            work = [
-                (m.traverse_draft_tree, batch.next_token[b], batch.next_sibling[b],
-                 batch.draft_tokens[b], blocks[b])
-                for b, m in enumerate(batch.matchers)
-            ]  # fmt: skip
-
-            def xgr_call() -> np.ndarray:
-                for traverse, links, siblings, tokens, rows in work:
-                    traverse(links, siblings, tokens, rows)
-                return reused
-
-            return xgr_call
         loop = _engine_loop(engine, setup.eos_id, words, vocab_size)
         lists = [
             (batch.next_token[b].tolist(), batch.next_sibling[b].tolist(),

@@ -88,6 +88,7 @@ def _build_methods(
     setup: Setup, layouts: Sequence[str], nodes: int, batch: int
 ) -> tuple[list[Method[Batch]], dict[str, Any]]:
     import portable_spec as ps
+    from portable_spec.bench.build import library_build, xgrammar_loop
     from portable_spec.masks import compact_views, index_words
 
     vocab, words, rows = setup.vocab_size, setup.words, batch * nodes
@@ -98,29 +99,11 @@ def _build_methods(
     buffers = {"dense": dense_out, "compact": compact_out}
 
     def xgr(data: Batch) -> Callable[[], Any]:
-        work = [
-            (m.traverse_draft_tree, data.next_token[b], data.next_sibling[b],
-             data.draft_tokens[b], reused[b * nodes : (b + 1) * nodes])
-            for b, m in enumerate(data.matchers)
-        ]  # fmt: skip
-
-        def call() -> np.ndarray:
-            for traverse, links, siblings, tokens, out in work:
-                traverse(links, siblings, tokens, out)
-            return reused
-
-        return call
+        return xgrammar_loop(data, reused)
 
     def ours(layout: str) -> Callable[[Batch], Callable[[], Any]]:
         def prepare(data: Batch) -> Callable[[], Any]:
-            links = (data.next_token, data.next_sibling, data.draft_tokens)
-            return lambda: ps.build_host_bitmask(
-                data.matchers,
-                ps.GrammarTree.from_host(*links),
-                vocab,
-                out=buffers[layout],
-                layout=layout,
-            )
+            return library_build(data, vocab, buffers[layout], chain=False, layout=layout)
 
         return prepare
 
