@@ -39,7 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec.engines import walk
 from portable_spec.engines.base import MatcherInfo
+from portable_spec.engines.generic import take_token as take_protocol_token
+from portable_spec.engines.llguidance import ended as llguidance_ended
+from portable_spec.engines.llguidance import take_token as take_llguidance_token
 from portable_spec.engines.outlines import state_rows
 from portable_spec.grammars import GENERIC, LLGUIDANCE, OUTLINES, XGRAMMAR
 
@@ -47,8 +51,13 @@ __all__ = ["LIVE", "REJECTED", "TERMINATED", "NodeStates", "node_states"]
 
 #: outcomes of a candidate node (its parent live, its token allowed by the parent's row)
 REJECTED, TERMINATED, LIVE = 0, 1, 2
-
-_ENDED = "EndOfSentence"  # llguidance's stop reason after the end token
+# the engines' walk outcomes as node outcomes
+_OUTCOMES = {
+    walk.REFUSED: REJECTED,
+    walk.ENDED_FREE: TERMINATED,
+    walk.ENDED_HELD: TERMINATED,
+    walk.LIVE: LIVE,
+}
 
 
 class NodeStates(ABC):
@@ -172,14 +181,11 @@ class _ForkStates(NodeStates):
         outcomes = []
         for node, parent, token in items:
             state = states[parent].fork()
-            if not state.accept_token(token):
-                outcomes.append(REJECTED)  # the matcher disagrees with its own mask
-            elif state.is_terminated():
-                outcomes.append(TERMINATED)
-            else:
+            outcome = _OUTCOMES[take_protocol_token(state, token)]
+            if outcome == LIVE:
                 self._fill(state, rows, node)
                 states[node] = state
-                outcomes.append(LIVE)
+            outcomes.append(outcome)
         return outcomes
 
     def forced(
@@ -215,7 +221,7 @@ class _LLGuidanceStates(NodeStates):
         self._finish_row(rows, node, target)
 
     def start(self, rows: np.ndarray) -> bool:
-        if self.matcher.stop_reason() == _ENDED:
+        if llguidance_ended(self.matcher):
             return False
         self._fill(self.matcher, rows, 0)
         self.states[0] = self.matcher
@@ -231,19 +237,14 @@ class _LLGuidanceStates(NodeStates):
     ) -> list[int]:
         outcomes = []
         for node, parent, token in items:
-            if self.stopped[parent]:
-                outcomes.append(TERMINATED)  # the end token after a complete grammar
-                continue
-            state = self.states[parent].deep_copy()
-            if state.try_consume_tokens([token]) != 1:
-                outcomes.append(REJECTED)
-            elif state.stop_reason() == _ENDED:
-                outcomes.append(TERMINATED)
-            else:
+            stopped = self.stopped[parent]
+            state = self.states[parent] if stopped else self.states[parent].deep_copy()
+            outcome = _OUTCOMES[take_llguidance_token(state, token, stopped)]
+            if outcome == LIVE:
                 self._fill(state, rows, node)
                 self.states[node] = state
                 self.stopped[node] = bool(state.is_stopped())
-                outcomes.append(LIVE)
+            outcomes.append(outcome)
         return outcomes
 
     def forced(
@@ -367,13 +368,13 @@ class _ProtocolReplayStates(_ReplayStates):
         return True
 
     def _try(self, token: int, rows: np.ndarray, node: int) -> int:
-        if not self.matcher.accept_token(token):
+        outcome = _OUTCOMES[take_protocol_token(self.matcher, token)]
+        if outcome == REJECTED:
             return REJECTED
         try:
-            if self.matcher.is_terminated():
-                return TERMINATED
-            self._fill(rows, node)
-            return LIVE
+            if outcome == LIVE:
+                self._fill(rows, node)
+            return outcome
         finally:
             self.matcher.rollback(1)
 

@@ -14,7 +14,16 @@ import numpy as np
 from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.walk import ENDED_HELD, LIVE, REFUSED, walk_tree
 
-__all__ = ["generic_info", "walk_generic"]
+__all__ = ["generic_info", "take_token", "walk_generic"]
+
+
+def take_token(matcher: Any, token: int) -> int:
+    """Take ``token``, which the parent's row allows, on a protocol matcher: a
+    :mod:`portable_spec.engines.walk` outcome (``REFUSED`` when the matcher disagrees with its
+    own mask, ``ENDED_HELD`` when it terminates, else ``LIVE``)."""
+    if not matcher.accept_token(token):
+        return REFUSED
+    return ENDED_HELD if matcher.is_terminated() else LIVE
 
 
 class _ProtocolSteps:
@@ -31,9 +40,7 @@ class _ProtocolSteps:
         self.matcher.fill_next_token_bitmask(self.rows, node)
 
     def advance(self, token: int, parent: int, node: int) -> int:
-        if not self.matcher.accept_token(token):
-            return REFUSED
-        return ENDED_HELD if self.matcher.is_terminated() else LIVE
+        return take_token(self.matcher, token)
 
     def rollback(self, count: int) -> None:
         self.matcher.rollback(count)

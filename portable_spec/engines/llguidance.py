@@ -36,9 +36,11 @@ from portable_spec.engines.walk import ENDED_FREE, ENDED_HELD, LIVE, REFUSED, wa
 
 __all__ = [
     "check_llmatcher",
+    "ended",
     "fill_llguidance_chains",
     "is_llmatcher",
     "probe_llguidance",
+    "take_token",
     "walk_llguidance",
 ]
 
@@ -96,6 +98,25 @@ def _width_candidates(matcher: Any, model_words: int) -> list[int]:
     return candidates
 
 
+def ended(matcher: Any) -> bool:
+    """Whether an end token was consumed: the matcher is terminated (all rows all-allowed)."""
+    return matcher.stop_reason() == _ENDED
+
+
+def take_token(matcher: Any, token: int, parent_stopped: bool) -> int:
+    """Take ``token``, which the parent's row allows, on ``matcher`` (at the parent's state);
+    llguidance's facts in one place. Returns a :mod:`portable_spec.engines.walk` outcome:
+    ``ENDED_FREE`` for the end token after a complete grammar (``parent_stopped``: nothing is
+    consumed), ``REFUSED`` (nothing consumed: ``try_consume_tokens`` never enters the error
+    state), ``ENDED_HELD`` for an end token consumed where the text could go on, else
+    ``LIVE``."""
+    if parent_stopped:
+        return ENDED_FREE
+    if matcher.try_consume_tokens([token]) != 1:
+        return REFUSED
+    return ENDED_HELD if ended(matcher) else LIVE
+
+
 class _LLSteps:
     """An ``LLMatcher``'s moves for the shared walk: only tokens the parent's row allows are
     consumed, through ``try_consume_tokens`` (never the error state)."""
@@ -109,20 +130,16 @@ class _LLSteps:
 
     def start(self) -> bool:
         self.stopped[0] = self.matcher.is_stopped()
-        return self.matcher.stop_reason() != _ENDED
+        return not ended(self.matcher)
 
     def fill(self, node: int) -> None:
         self.matcher.unsafe_compute_mask_ptr(self.base + node * self.row_bytes, self.nbytes)
 
     def advance(self, token: int, parent: int, node: int) -> int:
-        if self.stopped[parent]:
-            return ENDED_FREE  # the end token after a complete grammar: terminated
-        if self.matcher.try_consume_tokens([token]) != 1:
-            return REFUSED
-        if self.matcher.stop_reason() == _ENDED:
-            return ENDED_HELD  # the end token: terminated (rolled back with the next move)
-        self.stopped[node] = self.matcher.is_stopped()
-        return LIVE
+        outcome = take_token(self.matcher, token, self.stopped[parent])
+        if outcome == LIVE:
+            self.stopped[node] = self.matcher.is_stopped()
+        return outcome
 
     def rollback(self, count: int) -> None:
         self.matcher.rollback(count)
