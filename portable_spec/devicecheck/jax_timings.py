@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.staging import device_tree, tree_methods, upload_methods
+from portable_spec.bench.staging import upload_methods
 from portable_spec.bench.timing import Method, median, run_rounds
 from portable_spec.bench.workloads import RequestPool, Setup, synthetic_setup
 from portable_spec.devicecheck.profiles import Profile
 from portable_spec.devicecheck.results import PartRecorder
-from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
+from portable_spec.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
 
 __all__ = ["run"]
 
@@ -53,36 +53,7 @@ def run(rec: PartRecorder, profile: Profile) -> None:
 
 
 def _staging(rec: PartRecorder, profile: Profile, pool: RequestPool) -> None:
-    for batch in profile.staging_batches:
-        _staging_one(rec, profile, pool, batch)
-
-
-def _staging_one(rec: PartRecorder, profile: Profile, pool: RequestPool, batch: int) -> None:
-    def inputs(_r: int) -> Any:
-        sample = pool.sample(batch)
-        return device_tree("jax", (sample.next_token, sample.next_sibling, sample.draft_tokens))
-
-    agree: list[bool] = []
-
-    def on_warmup(_data: Any, results: dict[str, Any]) -> None:
-        ours, plain = results["from_device+resolve"], results["plain"]
-        agree.append(all(np.array_equal(a, b) for a, b in zip(ours, plain, strict=True)))
-
-    seconds, _ = run_rounds(tree_methods("jax"), inputs, profile.plan, on_warmup=on_warmup)
-    med = {k: median(v) for k, v in seconds.items()}
-    rec.check("staging", f"resolve() equals np.asarray (bs {batch})", all(agree))
-    rec.add(
-        "staging",
-        {
-            "framework": "jax",
-            "batch": batch,
-            "nodes": profile.nodes,
-            "dtype": "int32",
-            "rounds": len(seconds["plain"]),
-            "seconds": med,
-            "plain_over_resolve": med["plain"] / med["from_device+resolve"],
-        },
-    )
+    staging_timings(rec, profile, pool, "jax", "int32", "np.asarray")
 
 
 def _upload(rec: PartRecorder, profile: Profile, setup: Setup) -> None:

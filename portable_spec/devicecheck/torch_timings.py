@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.staging import device_tree, tree_methods
 from portable_spec.bench.timing import (
     Method,
     Timer,
@@ -39,7 +38,7 @@ from portable_spec.bench.timing import (
 from portable_spec.bench.workloads import RequestPool, Setup, synthetic_setup
 from portable_spec.devicecheck.profiles import Profile
 from portable_spec.devicecheck.results import PartRecorder, SkipSection
-from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
+from portable_spec.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
 
 __all__ = ["run", "unpack_mask_torch", "upload_one"]
 
@@ -65,36 +64,7 @@ def run(rec: PartRecorder, profile: Profile) -> None:
 
 
 def _staging(rec: PartRecorder, profile: Profile, pool: RequestPool) -> None:
-    for batch in profile.staging_batches:
-        _staging_one(rec, profile, pool, batch)
-
-
-def _staging_one(rec: PartRecorder, profile: Profile, pool: RequestPool, batch: int) -> None:
-    def inputs(_r: int) -> Any:
-        sample = pool.sample(batch)
-        return device_tree("torch", (sample.next_token, sample.next_sibling, sample.draft_tokens))
-
-    agree: list[bool] = []
-
-    def on_warmup(_data: Any, results: dict[str, Any]) -> None:
-        ours, plain = results["from_device+resolve"], results["plain"]
-        agree.append(all(np.array_equal(a, b) for a, b in zip(ours, plain, strict=True)))
-
-    seconds, _ = run_rounds(tree_methods("torch"), inputs, profile.plan, on_warmup=on_warmup)
-    med = {k: median(v) for k, v in seconds.items()}
-    rec.check("staging", f"resolve() equals .cpu() (bs {batch})", all(agree))
-    rec.add(
-        "staging",
-        {
-            "framework": "torch",
-            "batch": batch,
-            "nodes": profile.nodes,
-            "dtype": "int64",
-            "rounds": len(seconds["plain"]),
-            "seconds": med,
-            "plain_over_resolve": med["plain"] / med["from_device+resolve"],
-        },
-    )
+    staging_timings(rec, profile, pool, "torch", "int64", ".cpu()")
 
 
 def _upload(rec: PartRecorder, profile: Profile, setup: Setup, device: Any) -> None:

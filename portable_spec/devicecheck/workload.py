@@ -40,3 +40,42 @@ def describe(setup: Setup, pool: RequestPool) -> dict[str, Any]:
         "accepted_nodes_per_request": float(pool.accepted.mean()),
         "mask_words": setup.words,
     }
+
+
+def staging_timings(
+    rec: Any, profile: Any, pool: Any, framework: str, dtype: str, plain: str
+) -> None:
+    """Time ``from_device`` + ``resolve()`` against a plain blocking read of the same tree
+    arrays (``plain``: how that read is named in the check), for every staging batch of the
+    profile; record one entry per batch in ``rec``'s ``staging`` section."""
+    from portable_spec.bench.staging import device_tree, tree_methods
+    from portable_spec.bench.timing import median, run_rounds
+
+    for batch in profile.staging_batches:
+
+        def inputs(_r: int, batch: int = batch) -> Any:
+            sample = pool.sample(batch)
+            arrays = (sample.next_token, sample.next_sibling, sample.draft_tokens)
+            return device_tree(framework, arrays)
+
+        agree: list[bool] = []
+
+        def on_warmup(_data: Any, results: dict[str, Any], agree: list[bool] = agree) -> None:
+            ours, theirs = results["from_device+resolve"], results["plain"]
+            agree.append(all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True)))
+
+        seconds, _ = run_rounds(tree_methods(framework), inputs, profile.plan, on_warmup=on_warmup)
+        med = {k: median(v) for k, v in seconds.items()}
+        rec.check("staging", f"resolve() equals {plain} (bs {batch})", all(agree))
+        rec.add(
+            "staging",
+            {
+                "framework": framework,
+                "batch": batch,
+                "nodes": profile.nodes,
+                "dtype": dtype,
+                "rounds": len(seconds["plain"]),
+                "seconds": med,
+                "plain_over_resolve": med["plain"] / med["from_device+resolve"],
+            },
+        )
