@@ -45,9 +45,10 @@ from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates,
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, run_indexed
 from portable_spec.registry import backend_for, get_backend
-from portable_spec.tree import GrammarTree
+from portable_spec.tree import GrammarTree, as_int64
 
 __all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
 
@@ -119,9 +120,7 @@ class _Staged:
         out = []
         for handle in self._handles:
             (host,) = handle.resolve()
-            if host.dtype.kind == "u" and host.dtype.itemsize == 8:
-                host = host.view(np.int64)
-            out.append(np.array(host.reshape(self.shape), dtype=np.int64, order="C", copy=True))
+            out.append(as_int64(host, self.shape))
         return out
 
 
@@ -233,6 +232,7 @@ class DraftSession:
         self._backend, self._placement = _resolve_target(device, backend)
         self._draft = None if d2t is None else _DraftVocab(d2t, self.vocab_size)
         kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
+        check_not_pending(grammars)  # a pending build is walking them: refused before any move
         self.words = words_for(self.vocab_size)
         self._kinds = kinds
         self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]

@@ -228,7 +228,7 @@ class GrammarTree:
             slots: list[np.ndarray | None] = [None, None, None]
             for positions, staged in self._staged:
                 for position, host in zip(positions, staged.resolve(), strict=True):
-                    slots[position] = _as_int64(host, shape)
+                    slots[position] = as_int64(host, shape)
             if self._chain:
                 slots[0], slots[1] = _chain_links(self.batch, self.nodes)
             self._arrays = tuple(slots)  # type: ignore[assignment]
@@ -289,12 +289,16 @@ def _primary(backends: list[Backend]) -> Backend:
     return backends[0]
 
 
-def _as_int64(array: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """A private C-contiguous int64 copy: the caller (or a staging pool) may reuse its buffer
-    after the tree is resolved, and the tree caches what it derived from the values."""
+def as_int64(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A private C-contiguous native int64 copy of an integer ``array`` reshaped to
+    ``shape``: the caller (or a staging pool) may reuse its buffer afterwards.
+
+    Values are converted, whatever the byte order; 64-bit unsigned values beyond int64 (never
+    node indices nor token ids) wrap like a C cast instead of raising.
+    """
     if array.dtype.kind == "u" and array.dtype.itemsize == 8:
-        # Values beyond int64 are neither node indices nor token ids; wrap like a C cast.
-        array = array.view(np.int64)
+        # to native order first: a view of a byte-swapped array would reinterpret its bytes
+        array = array.astype(np.uint64, copy=False).view(np.int64)
     return np.array(array.reshape(shape), dtype=np.int64, order="C", copy=True)
 
 

@@ -1,0 +1,227 @@
+"""Edges an adversarial review found: byte orders, pending builds seen by draft sessions,
+exceptions between two protocol calls, request indices under reasoning, finalisers inside a
+pool's lock, the background thread's last result, guide widths, exotic torch tensors, logits
+wider than the mask, and xgrammar's warnings about padding tokens. Each test checks real
+behaviour against an independent replay on fresh matchers (tests/_oracle.py) on SmolLM2's
+vocabulary."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from _oracle import (
+    FailingMatcher,
+    ProtocolMatcher,
+    Request,
+    expected_mask,
+    fill_row,
+    matcher_state,
+)
+
+import portable_spec as ps
+
+# A JSON-schema path of SmolLM2 tokens below 127 ('{', '"', 'n', 'a'): every integer dtype
+# holds them.
+OPEN, QUOTE, LETTER_N, LETTER_A = 107, 18, 94, 81
+# root -> '{' -> '"' -> 'n'; 'a' is a sibling of '{' (refused at the root)
+TREE_NT = [1, 2, 4, -1, -1]
+TREE_NS = [-1, 3, -1, -1, -1]
+TREE_DT = [0, OPEN, QUOTE, LETTER_A, LETTER_N]
+PROBE = [0, 1, 18, 94, 100, 107, 1000]
+
+INTEGER_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+def _dtypes() -> list[np.dtype]:
+    out = []
+    for name in INTEGER_DTYPES:
+        for order in "<>":
+            out.append(np.dtype(name).newbyteorder(order))
+    return out
+
+
+def _typed(values: list[int] | list[list[int]], dtype: np.dtype) -> np.ndarray:
+    """``values`` stored in ``dtype`` as a C cast would (-1 wraps in unsigned types)."""
+    return np.array(values, dtype=np.int64).astype(dtype)
+
+
+def _request(smollm2) -> Request:
+    return Request(smollm2.grammars["json_schema"])
+
+
+def _want(smollm2, nt, ns, dt) -> np.ndarray:
+    arrays = (np.array([nt]), np.array([ns]), np.array([dt]))
+    return expected_mask([_request(smollm2)], *arrays, smollm2.size, smollm2.words)
+
+
+# -- 1. byte orders ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_tree_arrays_of_every_integer_dtype_and_byte_order(smollm2, dtype):
+    """Values are converted, never reinterpreted: the draft tokens and links of any integer
+    dtype in either byte order give the oracle's mask."""
+    want = _want(smollm2, TREE_NT, TREE_NS, TREE_DT)
+    links = (np.array([TREE_NT]), np.array([TREE_NS]))
+    tree = ps.GrammarTree.from_host(*links, _typed([TREE_DT], dtype))
+    assert tree.resolve()[2].tolist() == [TREE_DT]
+    matcher = _request(smollm2).fresh()
+    np.testing.assert_array_equal(ps.build_host_bitmask([matcher], tree, smollm2.size), want)
+    staged = ps.GrammarTree.from_device(*links, _typed([TREE_DT], dtype))
+    np.testing.assert_array_equal(ps.build_host_bitmask([matcher], staged, smollm2.size), want)
+    chain = ps.GrammarTree.from_linear_chain(_typed([[0, OPEN, QUOTE]], dtype))
+    assert chain.resolve()[2].tolist() == [[0, OPEN, QUOTE]]
+
+    nt, ns = _typed([TREE_NT], dtype), _typed([TREE_NS], dtype)
+    if dtype.kind == "u" and dtype.itemsize < 8:
+        # -1 does not exist in these types: the stored value is what the error names
+        biggest = np.iinfo(dtype).max
+        with pytest.raises(ValueError, match=rf"= {biggest} is outside"):
+            ps.build_host_bitmask([matcher], ps.GrammarTree.from_host(nt, ns, [TREE_DT]), 49152)
+        return
+    for tree in (
+        ps.GrammarTree.from_host(nt, ns, _typed([TREE_DT], dtype)),
+        ps.GrammarTree.from_device(nt, ns, _typed([TREE_DT], dtype)),
+    ):
+        assert [a.tolist() for a in tree.resolve()] == [[TREE_NT], [TREE_NS], [TREE_DT]]
+        np.testing.assert_array_equal(ps.build_host_bitmask([matcher], tree, smollm2.size), want)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_draft_session_tokens_of_every_integer_dtype_and_byte_order(smollm2, dtype):
+    """DraftSession.extend converts parents and tokens of any integer dtype and byte order:
+    it stores the token values and its rows are the oracle's."""
+    request = _request(smollm2)
+    tokens = [OPEN, LETTER_A, QUOTE]
+    with ps.DraftSession([request.fresh()], smollm2.size) as session:
+        rows = session.extend(_typed([0, 0, 0], dtype), _typed(tokens, dtype))
+        assert session.tree()[1].tolist() == [[0, *tokens]]
+        deeper = session.extend(_typed([1], dtype), _typed([QUOTE], dtype))
+        assert session.tree()[1].tolist() == [[0, *tokens, QUOTE]]
+        verify = session.verify_mask()
+    nt, ns, dt = [1, 4, -1, -1, -1], [-1, 2, 3, -1, -1], [0, *tokens, QUOTE]
+    want = _want(smollm2, nt, ns, dt)
+    np.testing.assert_array_equal(rows, want[1:4])
+    np.testing.assert_array_equal(deeper, want[4:5])
+    np.testing.assert_array_equal(verify, want)
+    # the row of '{' is the grammar's, not all-allowed: the token was read as 107
+    fresh = request.fresh()
+    assert fresh.accept_token(OPEN)
+    np.testing.assert_array_equal(rows[0], fill_row(fresh, smollm2.words, smollm2.size))
+
+
+# -- 2. draft sessions over matchers a pending build holds --------------------------------------
+class GatedMatcher(ProtocolMatcher):
+    """Blocks in its first fill until ``gate`` is set: keeps a build pending on demand."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        super().__init__(inner)
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().fill_next_token_bitmask(bitmask, index)
+
+
+def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
+    request = _request(smollm2)
+    gate = threading.Event()
+    gated = GatedMatcher(request.fresh(), gate)
+    plain = request.fresh()
+    replayed = ProtocolMatcher(request.fresh())  # no fork: a session would move it
+    tree = ps.GrammarTree.from_linear_chain(np.tile([0, OPEN, QUOTE], (4, 1)))
+    handle = ps.build_grammar_vocab_mask(
+        [None, gated, plain, replayed], tree, smollm2.size, wait=False
+    )
+    try:
+        assert gated.entered.wait(60)
+        before = matcher_state(plain, PROBE, smollm2.words)
+        calls = list(replayed.calls)
+        for grammars, index in (([plain], 0), ([None, replayed], 1), ([gated], 0)):
+            with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
+                ps.DraftSession(grammars, smollm2.size)
+            with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
+                ps.forced_tokens(grammars, smollm2.size)
+        assert replayed.calls == calls  # nothing moved, nothing filled
+        assert matcher_state(plain, PROBE, smollm2.words) == before
+        with ps.DraftSession([request.fresh()], smollm2.size):  # other matchers: as usual
+            pass
+    finally:
+        gate.set()
+    want = expected_mask(
+        [None, request, request, request], *tree.resolve(), smollm2.size, smollm2.words
+    )
+    np.testing.assert_array_equal(handle.result(timeout=60), want)
+    with ps.DraftSession([plain, replayed], smollm2.size) as session:  # released
+        assert session.forced() is not None
+
+
+# -- 3. an exception between accept_token and is_terminated ---------------------------------------
+class RaisesAfterAccept(ProtocolMatcher):
+    """``is_terminated`` raises the first time it is asked after the ``nth`` accepted token."""
+
+    def __init__(self, inner, nth: int) -> None:
+        super().__init__(inner)
+        self.nth = nth
+        self.accepted = 0
+        self.armed = False
+
+    def accept_token(self, token_id: int) -> bool:
+        ok = super().accept_token(token_id)
+        if ok:
+            self.accepted += 1
+            if self.accepted == self.nth:
+                self.armed = True
+        return ok
+
+    def is_terminated(self) -> bool:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError(f"injected failure after accepted token #{self.nth}")
+        return super().is_terminated()
+
+
+def _assert_where_it_started(matcher: RaisesAfterAccept, request: Request, words: int) -> None:
+    assert matcher.depth == 0
+    assert matcher_state(matcher.inner, PROBE, words) == matcher_state(
+        request.fresh(), PROBE, words
+    )
+
+
+@pytest.mark.parametrize("layout", ["dense", "compact"])
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_is_terminated_raising_after_an_accept_restores_the_matcher(smollm2, layout, nth):
+    request = _request(smollm2)
+    matcher = RaisesAfterAccept(request.fresh(), nth)
+    tree = ps.GrammarTree.from_host([TREE_NT], [TREE_NS], [TREE_DT])
+    with pytest.raises(ps.MatcherError, match="injected failure") as info:
+        ps.build_host_bitmask([matcher], tree, smollm2.size, layout=layout)
+    assert info.value.request_index == 0
+    _assert_where_it_started(matcher, request, smollm2.words)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_is_terminated_raising_in_draft_session_extend_restores_the_matcher(smollm2, nth):
+    request = _request(smollm2)
+    matcher = RaisesAfterAccept(request.fresh(), nth)
+    with ps.DraftSession([matcher], smollm2.size) as session:
+        with pytest.raises(ps.MatcherError, match="injected failure"):
+            session.extend([0, 0], [OPEN, LETTER_A])
+            session.extend([1], [QUOTE])
+            session.extend([3], [LETTER_N])
+        _assert_where_it_started(matcher, request, smollm2.words)
+
+
+# -- 4. the request index under reasoning ----------------------------------------------------------
+def test_reasoning_names_the_batch_index_of_a_failing_free_row(smollm2):
+    request = _request(smollm2)
+    failing = FailingMatcher(request.fresh(), fail_in="fill", at_call=1)
+    grammars = [request.fresh(), request.fresh(), None, failing]
+    rule = ps.Reasoning([False, True, False, True], [1007], [OPEN])
+    tree = ps.GrammarTree.from_linear_chain(np.tile([0, 5, 6], (4, 1)))
+    with pytest.raises(ps.MatcherError, match=r"grammars\[3\]") as info:
+        ps.build_host_bitmask(grammars, tree, smollm2.size, reasoning=rule)
+    assert info.value.request_index == 3
+    assert failing.depth == 0
