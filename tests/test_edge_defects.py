@@ -7,7 +7,9 @@ vocabulary."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +23,10 @@ from _oracle import (
 )
 
 import portable_spec as ps
+import portable_spec.drafting as drafting_module
+from portable_spec.hostbuffers import HostBufferPool
+from portable_spec.pending import check_not_pending
+from portable_spec.registry import get_backend
 
 # A JSON-schema path of SmolLM2 tokens below 127 ('{', '"', 'n', 'a'): every integer dtype
 # holds them.
@@ -225,3 +231,65 @@ def test_reasoning_names_the_batch_index_of_a_failing_free_row(smollm2):
         ps.build_host_bitmask(grammars, tree, smollm2.size, reasoning=rule)
     assert info.value.request_index == 3
     assert failing.depth == 0
+
+
+# -- 5. an unclosed DraftSession collected inside the store pool's lock -----------------------------
+def test_unclosed_session_finalised_inside_the_store_lock(smollm2, monkeypatch):
+    """The cyclic collector may finalise a session while the draft store pool's lock is held
+    (any allocation inside it); its close() must not take that lock. A watchdog turns a
+    deadlock into a failure instead of a hang (a correct build returns at once)."""
+    pool = HostBufferPool(max_free=4)
+    monkeypatch.setattr(drafting_module, "_stores", pool)
+    matcher = _request(smollm2).fresh()
+    finished = threading.Event()
+
+    def scenario() -> None:
+        session = ps.DraftSession([matcher], smollm2.size)
+        session.cycle = session  # only the cyclic collector frees it
+        del session
+        with pool._lock:
+            gc.collect()
+        finished.set()
+
+    enabled = gc.isenabled()
+    gc.disable()  # nothing collects the cycle before the lock is held
+    try:
+        worker = threading.Thread(target=scenario, daemon=True)
+        worker.start()
+        worker.join(60)
+    finally:
+        if enabled:
+            gc.enable()
+    assert finished.is_set(), "finalising a DraftSession inside the pool's lock deadlocked"
+    assert pool.stats()["lent"] == 0  # its store went back
+
+
+# -- 9. the background thread lets a dropped handle's mask go ---------------------------------------
+def test_dropped_pending_handles_release_their_masks(smollm2, monkeypatch):
+    pool = HostBufferPool()
+    monkeypatch.setattr(get_backend("numpy"), "pool", pool)
+    request = _request(smollm2)
+    matchers = [request.fresh() for _ in range(300)]
+    tree = ps.GrammarTree.from_linear_chain(np.array([[0, OPEN, QUOTE]]))
+    for matcher in matchers:
+        ps.build_grammar_vocab_mask([matcher], tree, smollm2.size, wait=False)  # dropped
+    # wait for the last build to end (its matcher is released then); watchdogs, not timings
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            for matcher in matchers:
+                check_not_pending([matcher])
+            break
+        except ValueError:
+            assert time.monotonic() < deadline, "the builds never released their matcher"
+            time.sleep(0.01)
+    while True:
+        gc.collect()
+        if pool.stats()["lent"] == 0:
+            break
+        assert time.monotonic() < deadline, f"still lent after the builds: {pool.stats()}"
+        time.sleep(0.01)
+    mask = ps.build_host_bitmask([matcher], tree, smollm2.size)  # the matcher is free again
+    np.testing.assert_array_equal(
+        mask, expected_mask([request], *tree.resolve(), smollm2.size, smollm2.words)
+    )
