@@ -7,12 +7,17 @@ vocabulary."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
+import xgrammar as xgr
 from _oracle import (
     FailingMatcher,
     ProtocolMatcher,
@@ -24,6 +29,7 @@ from _oracle import (
 
 import portable_spec as ps
 import portable_spec.drafting as drafting_module
+from portable_spec.demo.grammars import compile_sample
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pending import check_not_pending
 from portable_spec.registry import get_backend
@@ -293,3 +299,66 @@ def test_dropped_pending_handles_release_their_masks(smollm2, monkeypatch):
     np.testing.assert_array_equal(
         mask, expected_mask([request], *tree.resolve(), smollm2.size, smollm2.words)
     )
+
+
+# -- 10. no xgrammar warnings for padding tokens -----------------------------------------------------
+@contextlib.contextmanager
+def _stderr_of_this_process(into: list[str]):
+    """Capture file descriptor 2 (C++ code writes there directly, past sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            into.append(capture.read().decode(errors="replace"))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_padding_draft_tokens_print_nothing(smollm2, threads):
+    """SmolLM2's tokenizer padded to the model's 49216 tokens (as
+    ``TokenizerInfo.from_huggingface(..., vocab_size=model_vocab)`` builds it): draft tokens
+    in [49152, 49216) are rejected nodes (all-allowed rows, as the oracle says) and reach no
+    xgrammar call that would log them. With 4 threads a 300-node tree is split, and the
+    pieces' forks walk paths that start with such tokens."""
+    from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+
+    padded = 49216
+    compiled = compile_sample(xgr.GrammarCompiler(tokenizer_info(vocab_size=padded)), "json_schema")
+    request = Request(compiled)
+    # root -> padding token -> chain of 150 nodes; root -> '{' -> '"' -> 'n' -> 'a' -> ...
+    pads = [49152, 49200, 49215]
+    n = 301
+    nt = np.full(n, -1)
+    ns = np.full(n, -1)
+    dt = np.zeros(n, dtype=np.int64)
+    nt[0], ns[1] = 1, 151
+    for v in range(1, 150):
+        nt[v] = v + 1
+        dt[v] = pads[v % 3] if v < 5 else QUOTE
+    for v in range(151, n - 1):
+        nt[v] = v + 1
+    dt[150] = pads[0]
+    dt[151:] = [OPEN, QUOTE, LETTER_N, LETTER_A] + [pads[1]] + [LETTER_A] * (n - 156)
+    tree = ps.GrammarTree.from_host(nt[None], ns[None], dt[None])
+    want = expected_mask([request], nt[None], ns[None], dt[None], padded, padded // 32)
+    ps.set_num_threads(threads)
+    captured: list[str] = []
+    try:
+        with _stderr_of_this_process(captured):
+            dense = ps.build_host_bitmask([request.fresh()], tree, padded)
+            compact = ps.build_host_bitmask([request.fresh()], tree, padded, layout="compact")
+            with ps.DraftSession([request.fresh()], padded) as session:
+                session.extend([0, 0, 0], pads)
+                session.forced()
+    finally:
+        ps.set_num_threads(None)
+    assert captured == [""], f"xgrammar wrote to stderr: {captured[0][:300]}"
+    np.testing.assert_array_equal(dense, want)
+    np.testing.assert_array_equal(compact.to_dense(), want)
+    assert load_vocab().size == 49152  # the padding really lies past the tokenizer
