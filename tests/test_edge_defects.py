@@ -362,3 +362,22 @@ def test_padding_draft_tokens_print_nothing(smollm2, threads):
     np.testing.assert_array_equal(dense, want)
     np.testing.assert_array_equal(compact.to_dense(), want)
     assert load_vocab().size == 49152  # the padding really lies past the tokenizer
+
+
+# -- 6. an outlines-core guide first used with a padded vocabulary -------------------------------
+def test_outlines_guide_first_used_padded_serves_the_real_vocabulary(smollm2):
+    pytest.importorskip("outlines_core")
+    from _engines import engine_request
+
+    request = engine_request("outlines", "json_schema", smollm2.eos)
+    guide = request.native()
+    links = ([TREE_NT], [TREE_NS], [TREE_DT])
+    tree = ps.GrammarTree.from_host(*links)
+    arrays = tuple(np.array(a) for a in links)
+    for vocab in (49216, smollm2.size, 49216, 60000, smollm2.size):
+        want = expected_mask([request], *arrays, vocab, smollm2.words)
+        np.testing.assert_array_equal(ps.build_host_bitmask([guide], tree, vocab), want)
+        with ps.DraftSession([guide], vocab) as session:
+            np.testing.assert_array_equal(session.extend([0, 0], [OPEN, LETTER_A]), want[[1, 3]])
+    with pytest.raises(ValueError, match=r"smaller than the vocabulary of grammars\[0\]"):
+        ps.build_host_bitmask([guide], tree, smollm2.size - 32)
