@@ -91,6 +91,8 @@ class _Staged:
                 info = backend.array_info(array)
             except ValueError as exc:  # a JAX array deleted (donated) before staging
                 raise ValueError(f"{name}: {exc}") from exc
+            except TypeError as exc:  # a torch meta tensor, ...
+                raise TypeError(f"{name}: {exc}") from exc
             if not info.is_integer:
                 raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
             shape = tuple(info.shape)

@@ -40,6 +40,8 @@ def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
         info = backend.array_info(array)
     except ValueError as exc:  # e.g. a JAX array deleted (donated) before staging
         raise ValueError(f"{name}: {exc}") from exc
+    except TypeError as exc:  # e.g. a torch meta tensor
+        raise TypeError(f"{name}: {exc}") from exc
     if not info.is_integer:
         raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
     if len(info.shape) not in (1, 2):
@@ -169,7 +171,14 @@ class GrammarTree:
         Same array conventions as :meth:`from_device`. Never blocks; a device array raises
         ``TypeError`` (use :meth:`from_device` for those).
         """
-        hosts = [_host_array(a) for a in (retrieve_next_token, retrieve_next_sibling, draft_tokens)]
+        hosts = []
+        for name, array in zip(
+            _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
+        ):
+            try:
+                hosts.append(_host_array(array))
+            except TypeError as exc:
+                raise TypeError(f"{name}: {exc}") from exc
         numpy_backend = get_backend("numpy")
         shape = hosts[0].shape
         if not (

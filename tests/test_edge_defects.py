@@ -381,3 +381,38 @@ def test_outlines_guide_first_used_padded_serves_the_real_vocabulary(smollm2):
             np.testing.assert_array_equal(session.extend([0, 0], [OPEN, LETTER_A]), want[[1, 3]])
     with pytest.raises(ValueError, match=r"smaller than the vocabulary of grammars\[0\]"):
         ps.build_host_bitmask([guide], tree, smollm2.size - 32)
+
+
+# -- 7. torch tensors whose memory does not hold their values ----------------------------------------
+def _odd_tensors():
+    torch = pytest.importorskip("torch")
+    values = torch.tensor([[0, OPEN, QUOTE]])
+    return {
+        "meta": torch.empty((1, 3), dtype=torch.int64, device="meta"),
+        "negative bit": torch._neg_view(values),
+    }
+
+
+@pytest.mark.parametrize("kind", ["meta", "negative bit"])
+def test_unreadable_torch_tensors_are_refused_by_name(smollm2, kind):
+    torch = pytest.importorskip("torch")
+    odd = _odd_tensors()[kind]
+    nt, ns = torch.tensor([[1, 2, -1]]), torch.tensor([[-1, -1, -1]])
+    for ctor in (ps.GrammarTree.from_device, ps.GrammarTree.from_host):
+        for position, name in enumerate(
+            ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens")
+        ):
+            arrays = [nt, ns, torch.tensor([[0, OPEN, QUOTE]])]
+            arrays[position] = odd
+            with pytest.raises(TypeError, match=rf"^{name}: .*(meta|negative)"):
+                ctor(*arrays)
+    with pytest.raises(TypeError, match=r"^draft_tokens: .*(meta|negative)"):
+        ps.GrammarTree.from_linear_chain(odd)
+    matcher = ProtocolMatcher(_request(smollm2).fresh())
+    with ps.DraftSession([matcher], smollm2.size) as session:
+        calls = list(matcher.calls)
+        with pytest.raises(TypeError, match=r"^tokens: .*(meta|negative)"):
+            session.extend(torch.zeros((1, 3), dtype=torch.int64), odd)
+        with pytest.raises(TypeError, match=r"^parents: .*(meta|negative)"):
+            session.extend(odd * 0 if kind == "meta" else torch._neg_view(odd * 0), odd.abs())
+        assert matcher.calls == calls and session.nodes == 1
