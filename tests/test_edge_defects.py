@@ -416,3 +416,52 @@ def test_unreadable_torch_tensors_are_refused_by_name(smollm2, kind):
         with pytest.raises(TypeError, match=r"^parents: .*(meta|negative)"):
             session.extend(odd * 0 if kind == "meta" else torch._neg_view(odd * 0), odd.abs())
         assert matcher.calls == calls and session.nodes == 1
+
+
+# -- 8. logits wider than the mask --------------------------------------------------------------------
+def _framework(name):
+    if name == "numpy":
+        return None, lambda a: a, np.asarray
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        return torch.device("cpu"), torch.from_numpy, lambda a: a.numpy()
+    jax = pytest.importorskip("jax")
+    return jax.devices("cpu")[0], lambda a: jax.device_put(a, jax.devices("cpu")[0]), np.asarray
+
+
+@pytest.mark.parametrize("layout", ["dense", "compact"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
+def test_logits_wider_than_the_mask(smollm2, framework, layout):
+    """60000-wide logits, a mask of SmolLM2's 49152 tokens: refused (the 10848 extra columns
+    would stay allowed in constrained rows); with vocab_size=49152 the columns below are
+    masked as the oracle says and every column past it is -inf in every row, the
+    unconstrained request's and rejected nodes' all-allowed rows included."""
+    device, put, get = _framework(framework)
+    request = _request(smollm2)
+    links = (np.array([TREE_NT] * 2), np.array([TREE_NS] * 2), np.array([TREE_DT] * 2))
+    want = expected_mask([request, None], *links, smollm2.size, smollm2.words)
+    tree = ps.GrammarTree.from_host(*links)
+    mask = ps.build_grammar_vocab_mask(
+        [request.fresh(), None], tree, smollm2.size, device=device, layout=layout
+    )
+    rng = np.random.default_rng(8)
+    host = rng.standard_normal((want.shape[0], 60000)).astype(np.float32)
+    logits = put(host.copy())
+    with pytest.raises(ValueError, match=r"60000 columns but the mask covers only 49152 tokens"):
+        ps.apply_vocab_mask(logits, mask)
+    np.testing.assert_array_equal(get(logits), host)  # nothing written
+    with pytest.raises(ValueError, match=r"vocab_size = 49153 but the mask covers only 49152"):
+        ps.apply_vocab_mask(logits, mask, vocab_size=49153)
+    masked = get(ps.apply_vocab_mask(logits, mask, vocab_size=smollm2.size))
+    bits = np.unpackbits(want.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    reference = host.copy()
+    reference[:, : smollm2.size][~bits] = -np.inf
+    reference[:, smollm2.size :] = -np.inf
+    np.testing.assert_array_equal(masked, reference)
+    assert (want[5:] == -1).all() and np.isneginf(masked[5:, smollm2.size :]).all()
+    # no mask at all (no request has a grammar): only the padding ids go
+    fresh = put(host.copy())
+    unmasked = get(ps.apply_vocab_mask(fresh, None, vocab_size=smollm2.size))
+    np.testing.assert_array_equal(unmasked[:, : smollm2.size], host[:, : smollm2.size])
+    assert np.isneginf(unmasked[:, smollm2.size :]).all()
+    assert get(ps.apply_vocab_mask(put(host.copy()), None)).tolist() == host.tolist()

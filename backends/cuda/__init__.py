@@ -105,10 +105,12 @@ class TorchBackend(Backend):
             raise
         return upload_mask(buffer, target, self.pool, self.host_pool)
 
-    def apply_vocab_mask(self, logits: Any, mask: Any) -> torch.Tensor:
+    def apply_vocab_mask(
+        self, logits: Any, mask: Any, vocab_size: int | None = None
+    ) -> torch.Tensor:
         """In place, asynchronous on accelerators (queued on the logits' device's current
         stream, after the mask's upload); returns ``logits``."""
-        return apply_vocab_mask_torch(logits, mask)
+        return apply_vocab_mask_torch(logits, mask, vocab_size=vocab_size)
 
     def upload_compact(
         self, buffer: HostBuffer, mask: CompactMask, device: Any = None
@@ -122,10 +124,12 @@ class TorchBackend(Backend):
             raise
         return upload_compact_mask(buffer, mask, target, self.pool, self.host_pool)
 
-    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> torch.Tensor:
+    def apply_compact_mask(
+        self, logits: Any, mask: CompactMask, vocab_size: int | None = None
+    ) -> torch.Tensor:
         """In place on the listed rows, through xgrammar's kernels with ``indices=``; see
         :func:`portable_spec.backends.cuda.apply.apply_compact_mask_torch`."""
-        return apply_compact_mask_torch(logits, mask)
+        return apply_compact_mask_torch(logits, mask, vocab_size=vocab_size)
 
     def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
         """The caller's current stream on ``device`` (per thread in torch): the background
