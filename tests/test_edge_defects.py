@@ -143,6 +143,8 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
     gated = GatedMatcher(request.fresh(), gate)
     plain = request.fresh()
     replayed = ProtocolMatcher(request.fresh())  # no fork: a session would move it
+    early = ps.DraftSession([plain, replayed], smollm2.size)  # opened before the build
+    early.extend([[0], [0]], [[OPEN], [OPEN]], masks=False)
     tree = ps.GrammarTree.from_linear_chain(np.tile([0, OPEN, QUOTE], (4, 1)))
     handle = ps.build_grammar_vocab_mask(
         [None, gated, plain, replayed], tree, smollm2.size, wait=False
@@ -156,6 +158,13 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
                 ps.DraftSession(grammars, smollm2.size)
             with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
                 ps.forced_tokens(grammars, smollm2.size)
+        for call in (
+            lambda: early.extend([[0], [0]], [[QUOTE], [QUOTE]]),
+            lambda: early.forced(),
+            lambda: early.verify_mask(),  # computes the masks=False level
+        ):
+            with pytest.raises(ValueError, match=r"grammars\[0\] is being walked"):
+                call()
         assert replayed.calls == calls  # nothing moved, nothing filled
         assert matcher_state(plain, PROBE, smollm2.words) == before
         with ps.DraftSession([request.fresh()], smollm2.size):  # other matchers: as usual
@@ -168,6 +177,10 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
     np.testing.assert_array_equal(handle.result(timeout=60), want)
     with ps.DraftSession([plain, replayed], smollm2.size) as session:  # released
         assert session.forced() is not None
+    with early:  # nothing was dropped: the masks=False level is computed now
+        links = ([[1, -1], [1, -1]], [[-1, -1], [-1, -1]], [[0, OPEN], [0, OPEN]])
+        want = expected_mask([request] * 2, *map(np.array, links), smollm2.size, smollm2.words)
+        np.testing.assert_array_equal(early.verify_mask(), want)
 
 
 # -- 3. an exception between accept_token and is_terminated ---------------------------------------
