@@ -131,7 +131,7 @@ def models() -> Any:
 def pytest_addoption(parser: pytest.Parser) -> None:
     from _targets import TARGETS
 
-    names = sorted({t.name for t in TARGETS} | {t.backend for t in TARGETS} | {"torch"})
+    names = sorted({t.name for t in TARGETS} | {t.backend for t in TARGETS} | {"cuda"})
     parser.addoption(
         "--backend",
         action="append",
@@ -145,7 +145,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _selected_targets(config: pytest.Config) -> list:
     from _targets import TARGETS
 
-    wanted = {"cuda" if w == "torch" else w for w in config.getoption("backend")}
+    wanted = {"torch" if w == "cuda" else w for w in config.getoption("backend")}
     if not wanted:
         return TARGETS
     return [t for t in TARGETS if t.name in wanted or t.backend in wanted]

@@ -34,9 +34,9 @@ __all__ = [
 
 
 class TorchBackend(Backend):
-    """Backend for ``torch.Tensor`` (registered as ``"cuda"``, alias ``"torch"``)."""
+    """Backend for ``torch.Tensor`` (registered as ``"torch"``, alias ``"cuda"``)."""
 
-    name = "cuda"
+    name = "torch"
     framework = "torch"
 
     def __init__(self) -> None:
