@@ -67,7 +67,7 @@ trap 'rm -rf "$work"' EXIT
 status=()
 if [ -n "$install" ]; then
   site=$work/site
-  timeout 180 "$py" portable_spec/devicecheck/prepare.py --root . --site "$site" \
+  timeout 1800 "$py" portable_spec/devicecheck/prepare.py --root . --site "$site" \
     --wheels .device/wheels --status "$work/prepare.json" 2>&1 | tee -a "$out/device-check.log"
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   export PORTABLE_SPEC_CHECK_SITE=$site
