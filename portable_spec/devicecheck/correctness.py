@@ -204,6 +204,7 @@ def run_suite(
     if os.path.exists(record):
         os.remove(record)
     command = [python, "-P", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+    command += ["-m", "slow or not slow"]  # every test of the suite, slow ones included
     command += ["-p", "portable_spec.devicecheck.pytest_record", *files, *args]
     child_env = dict(os.environ if env is None else env, **{RECORD_ENV: record})
     log.write(f"\n===== suite {suite.name}: {' '.join(command)}\n")
