@@ -150,3 +150,73 @@ def test_the_default_run_is_lean_and_ci_runs_the_rest():
     ci = (ROOT / ".ci/run").read_text().splitlines()
     assert "bash scripts/test.sh" in ci and "bash scripts/test.sh -m slow" in ci
     assert "scripts/test.sh" in (ROOT / "README.md").read_text()
+
+
+# How the project's own developers reach a GPU is no user's business: phrases of that kind
+# must not come back into what users read (docs, scripts, the package's code and comments).
+TEAM_PHRASES = re.compile(
+    r"\bwork sessions?\b|\bother sessions\b|\banother session\b|\bsession's own\b"
+    r"|\blent an? (?:GPU|machine|device)\b|\b(?:device|GPU|\d+-minute) leases?\b"
+    r"|\bleases? (?:a |the )?(?:GPU|machine)\b|\bdevice tool\b|`device` tool|\bdevice calls?\b"
+    r"|\bdevice time\b|\bcarry\s*=|`carry`|\bgive_back\b|\bcan_start_another\b|(?-i:\$OUT\b)"
+    r"|\bthe lead\b|\bhelper sessions?\b",
+    re.IGNORECASE,
+)
+USER_FACING = [
+    "README.md",
+    ".ci/run",
+    "pyproject.toml",
+    *[f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")],
+    *[f"scripts/{p.name}" for p in (ROOT / "scripts").iterdir() if p.is_file()],
+    *[str(p.relative_to(ROOT)) for p in (ROOT / "portable_spec").rglob("*.py")],
+    *[str(p.relative_to(ROOT)) for p in (ROOT / "backends").rglob("*.py")],
+]
+
+
+@pytest.mark.parametrize("path", sorted(USER_FACING))
+def test_speaks_to_users_only(path):
+    text = (ROOT / path).read_text(encoding="utf-8")
+    found = [
+        f"line {text[: m.start()].count(chr(10)) + 1}: {m.group(0)!r}"
+        for m in TEAM_PHRASES.finditer(text)
+    ]
+    assert not found, f"{path}: {found}"
+
+
+def test_team_phrases_are_caught():
+    for text in [
+        "In a work session whose task is lent a GPU",
+        "the `device` tool's status",
+        'run(command="...", carry=[".device"])',
+        "a rerun in a 15-minute lease",
+        "then give_back",
+        "spending device time",
+        "come back from $OUT",
+    ]:
+        assert TEAM_PHRASES.search(text), text
+    for text in ["a DraftSession", "the block is lent", "a lease object", 'cd "$out"']:
+        assert not TEAM_PHRASES.search(text), text
+
+
+def test_benchmarks_count_their_sections():
+    """The opening of benchmarks.md says how many sections `portable-spec bench` has and
+    lists them: the number matches the list."""
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    numbers = [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+    ]
+    said = re.search(r"in (\w+) sections:\n\n", text)
+    assert said, "benchmarks.md no longer says how many sections there are"
+    listed = re.findall(r"^(\d+)\. \*\*", text[said.end() :].split("\n\n", 1)[0], re.MULTILINE)
+    assert numbers.index(said.group(1)) + 1 == len(listed) == int(listed[-1])
