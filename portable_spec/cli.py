@@ -5,6 +5,7 @@ Each subcommand lives in its own module and is imported only when used.
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["main"]
@@ -25,7 +26,22 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``portable-spec`` script and ``python -m portable_spec``."""
+    """Entry point of the ``portable-spec`` script and ``python -m portable_spec``; returns the
+    exit status. A reader that stops early (``portable-spec --help | head -3``) ends the
+    command quietly with status 1 (what Python's documentation advises), no traceback."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # the rest of the output has nowhere to go: send it, and the final flush, to devnull
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -14,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "sample_batch"]
+__all__ = ["decode_tokens", "main", "sample_batch"]
+
+
+def decode_tokens(info: Any, tokens: list[int]) -> str:
+    """The text of ``tokens`` (UTF-8, invalid bytes replaced), from an
+    ``xgrammar.TokenizerInfo``'s decoded vocabulary: what the model writes, not the
+    tokenizer's byte-level alphabet ("Ġ" for a space)."""
+    table = info.decoded_vocab
+    return b"".join(table[t] for t in tokens).decode("utf-8", errors="replace")
 
 
 def _allowed(matcher: Any, words: int, size: int) -> np.ndarray:
@@ -111,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     from portable_spec.demo.grammars import compile_sample
 
     vocab = load_vocab()
-    compiler = xgr.GrammarCompiler(tokenizer_info(vocab))
+    info = tokenizer_info(vocab)
+    compiler = xgr.GrammarCompiler(info)
     compiled = compile_sample(compiler, args.grammar)
     rng = np.random.default_rng(args.seed)
     matchers, nt, ns, dt = sample_batch(
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             path.append(int(dt[b, child]))
             node = child
-        text = "".join(vocab.tokens[t] for t in path).replace("Ġ", " ").replace("Ċ", "\\n")
+        text = decode_tokens(info, path)
         allowed = int(np.unpackbits(rows[b, 0].view(np.uint8)).sum())
         print(
             f"  request {b}: {int(filled.sum()):3d}/{args.nodes} nodes accepted, "

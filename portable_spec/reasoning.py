@@ -18,7 +18,8 @@ Every check runs before any matcher moves; matchers end where they started.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
@@ -42,7 +43,10 @@ class Reasoning:
         active: ``[batch]`` booleans (any sequence or array): request ``b`` is still reasoning
             at node 0, its matcher has consumed nothing of the answer yet.
         end_token_ids: tokens that end the reasoning (``</think>``): the grammar starts *after*
-            such a node; its row is the grammar's first mask.
+            such a node; its row is the grammar's first mask. One int, or any collection of
+            ints (set, frozenset, tuple, list, range, 1-D integer array); so is the next one.
+            Bools, floats, strings and ids outside ``[0, vocab_size)`` are refused by the
+            build (``TypeError``/``ValueError``) before any matcher moves.
         content_end_token_ids: tokens that end the reasoning *and* are the answer's first
             token (a tool-call start such as ``<tool_call>``): the grammar consumes the token
             itself; its row is the grammar's mask after it. While a path is still reasoning,
@@ -56,8 +60,8 @@ class Reasoning:
     """
 
     active: Any
-    end_token_ids: Sequence[int]
-    content_end_token_ids: Sequence[int] = field(default=())
+    end_token_ids: Collection[int] | int
+    content_end_token_ids: Collection[int] | int = field(default=())
 
 
 @dataclass
@@ -67,18 +71,46 @@ class _Checked:
     content_ends: frozenset[int]
 
 
+def _token_id(token: Any, name: str) -> int:
+    if isinstance(token, (bool, np.bool_)):
+        raise TypeError(f"Reasoning.{name} must hold int token ids, got the bool {token!r}")
+    try:
+        return operator.index(token)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise TypeError(
+            f"Reasoning.{name} must hold int token ids, got {token!r} ({type(token).__name__})"
+        ) from None
+
+
 def _token_ids(value: Any, name: str, vocab_size: int) -> frozenset[int]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-        raise TypeError(f"Reasoning.{name} must be a sequence of token ids, got {value!r}")
-    ids = []
-    for token in list(value):
-        if isinstance(token, bool) or not isinstance(token, Integral):
-            raise TypeError(f"Reasoning.{name} must hold ints, got {token!r}")
-        if not 0 <= int(token) < vocab_size:
-            raise ValueError(
-                f"Reasoning.{name} holds {int(token)}, outside the vocabulary [0, {vocab_size})"
+    """``value`` (one int, or a collection of ints: set, frozenset, tuple, list, range, 1-D
+    integer array) as a frozenset; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    wanted = "one token id or a collection of token ids (set, tuple, list, range, array)"
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.ndim > 1:
+            raise TypeError(
+                f"Reasoning.{name} must be {wanted}; got an array of dtype {value.dtype} "
+                f"and shape {value.shape}"
             )
-        ids.append(int(token))
+        tokens: list[Any] = value.reshape(-1).tolist()
+    elif isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(
+        value, (Integral, Collection)
+    ):
+        raise TypeError(f"Reasoning.{name} must be {wanted}, got {value!r}")
+    elif isinstance(value, Integral) and not isinstance(value, bool):
+        tokens = [value]
+    elif isinstance(value, bool):
+        raise TypeError(f"Reasoning.{name} must be {wanted}, got the bool {value!r}")
+    else:
+        tokens = list(value)
+    ids = []
+    for token in tokens:
+        token_id = _token_id(token, name)
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"Reasoning.{name} holds {token_id}, outside the vocabulary [0, {vocab_size})"
+            )
+        ids.append(token_id)
     return frozenset(ids)
 
 

@@ -43,10 +43,11 @@ class _Entry:
 # name -> entry; built-ins are known without importing anything.
 _BUILTINS = {
     "numpy": _Entry("numpy", "numpy", "portable_spec.backends.numpy:NumpyBackend", "builtin"),
-    "cuda": _Entry("cuda", "torch", "portable_spec.backends.cuda:TorchBackend", "builtin"),
+    "torch": _Entry("torch", "torch", "portable_spec.backends.cuda:TorchBackend", "builtin"),
     "jax": _Entry("jax", "jax", "portable_spec.backends.jax:JaxBackend", "builtin"),
 }
-_ALIASES = {"torch": "cuda", "np": "numpy"}
+# "cuda": the torch backend's historical name (the package is portable_spec.backends.cuda)
+_ALIASES = {"cuda": "torch", "np": "numpy"}
 
 _lock = threading.RLock()
 _entries: dict[str, _Entry] = dict(_BUILTINS)
@@ -110,7 +111,7 @@ def _instantiate(entry: _Entry) -> Backend:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``: ``"numpy"``, ``"cuda"`` (alias ``"torch"``),
+    """The backend registered as ``name``: ``"numpy"``, ``"torch"`` (alias ``"cuda"``),
     ``"jax"``, or a plugin's name. Imports the backend's framework if needed.
 
     Raises:
@@ -151,7 +152,14 @@ def backend_for(obj: Any) -> Backend:
 
 
 def available_backends() -> list[str]:
-    """Names of the backends whose framework is installed here (found without importing)."""
+    """Names of the backends whose framework is installed here, found without importing it.
+
+    Returns a list of str, e.g. ``["numpy", "torch", "jax"]`` plus plugins' names. A name
+    says which arrays the backend takes (``"torch"``: ``torch.Tensor`` on any device, CPU or
+    CUDA; ``"jax"``: ``jax.Array`` on CPU, GPU or TPU), not that an accelerator is present:
+    ask the framework (``torch.cuda.is_available()``, ``jax.devices()``) which devices exist.
+    Never blocks; imports nothing but the plugins' entry points.
+    """
     _load_plugins()
     names = []
     for entry in _entries.values():

@@ -49,7 +49,7 @@ def _sample(backend: Any) -> dict[str, float]:
         stats = pool.stats()
         sample["host_buffer_mb"] = stats["allocated_bytes"] / 2**20
         sample["host_buffers_lent"] = stats["lent"] + stats["in_flight"]
-    if backend.name == "cuda":
+    if backend.name == "torch":
         import torch
 
         if torch.cuda.is_available():
@@ -87,7 +87,7 @@ def run_soak(
     grammars = [compile_sample(compiler, k) for k in ("json_schema", "ebnf", "regex")]
     rng = np.random.default_rng(seed)
     backend = ps.get_backend(backend_name)
-    put = _framework_put(backend_name)
+    put = _framework_put(backend.name)
     # a fixed pool of pre-generated batches keeps generation cost out of the loop
     batches = []
     for k in range(8):
@@ -137,7 +137,7 @@ def run_soak(
 
 
 def _framework_put(name: str) -> Any:
-    if name == "cuda":
+    if name == "torch":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2 or args.max_batch < 1 or args.nodes < 1:
         parser.error("--steps must be at least 2, --max-batch and --nodes positive")
-    name = "cuda" if args.backend == "torch" else args.backend
+    name = "torch" if args.backend == "cuda" else args.backend
     result = run_soak(
         args.steps, name, max_batch=args.max_batch, nodes=args.nodes, progress=not args.json
     )

@@ -96,7 +96,7 @@ def _torch_targets() -> list[Target]:
     return [
         Target(
             "torch-cpu",
-            "cuda",
+            "torch",
             lambda: _need("torch"),
             lambda a: _to_torch(a, "cpu"),
             _from_torch,
@@ -105,7 +105,7 @@ def _torch_targets() -> list[Target]:
         ),
         Target(
             "torch-cuda",
-            "cuda",
+            "torch",
             _torch_cuda_available,
             lambda a: _to_torch(a, "cuda"),
             _from_torch,

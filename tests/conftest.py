@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import xgrammar as xgr
 
-from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+from portable_spec.demo.gguf_vocab import load_vocab, smollm2_gguf_path, tokenizer_info
 from portable_spec.demo.grammars import compile_sample
 
 GRAMMAR_KINDS = ("json_schema", "ebnf", "regex", "builtin_json")
@@ -131,7 +132,7 @@ def models() -> Any:
 def pytest_addoption(parser: pytest.Parser) -> None:
     from _targets import TARGETS
 
-    names = sorted({t.name for t in TARGETS} | {t.backend for t in TARGETS} | {"torch"})
+    names = sorted({t.name for t in TARGETS} | {t.backend for t in TARGETS} | {"cuda"})
     parser.addoption(
         "--backend",
         action="append",
@@ -145,7 +146,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _selected_targets(config: pytest.Config) -> list:
     from _targets import TARGETS
 
-    wanted = {"cuda" if w == "torch" else w for w in config.getoption("backend")}
+    wanted = {"torch" if w == "cuda" else w for w in config.getoption("backend")}
     if not wanted:
         return TARGETS
     return [t for t in TARGETS if t.name in wanted or t.backend in wanted]
@@ -174,3 +175,37 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_sep("-", "backend matrix")
     for line in lines:
         terminalreporter.write_line(line)
+
+
+# -- a user's own model's tokenizer, without a model hub ----------------------------------------
+#: the name the docs load their tokenizer by, as a user names their model
+HF_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer() -> Any:
+    """SmolLM2's tokenizer as ``transformers`` builds it from the GGUF on disk (its own GGUF
+    reader, not the demo's): what ``AutoTokenizer.from_pretrained`` gives a user."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_home(hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An ``HF_HOME`` whose model cache holds :data:`HF_MODEL`'s tokenizer (saved from
+    :func:`hf_tokenizer`), so that ``from_pretrained(HF_MODEL)`` works with
+    ``HF_HUB_OFFLINE=1`` and no network, as on a machine that downloaded it before."""
+    home = tmp_path_factory.mktemp("hf-home")
+    repo = home / "hub" / f"models--{HF_MODEL.replace('/', '--')}"
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    hf_tokenizer.save_pretrained(snapshot)
+    config = {"model_type": "llama", "vocab_size": len(hf_tokenizer)}
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return str(home)

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.slow  # a whole quick benchmark run: over a minute
 
 
 def _finite_positive(value: object) -> bool:

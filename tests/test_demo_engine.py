@@ -39,6 +39,7 @@ def _drafter(name, nodes, masked=True):
     return SelfDrafter(nodes, layers=24, branch=3, masked=bool(masked), root_only=masked == "root")
 
 
+@pytest.mark.slow  # two full generations per backend in float64
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_speculative_equals_plain_decoding_float64(request, models, tok, person, backend):
     require_backends(request, backend)

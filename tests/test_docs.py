@@ -1,7 +1,16 @@
-"""The porting guide and the README cannot drift: their code runs, their quoted lines exist."""
+"""The README and the docs cannot drift: each code block runs by itself, quoted lines exist.
+
+Each ```python block is run on its own (``tests/_doc_blocks.py``: its own namespace, so a
+block that uses a name it does not define fails), as a reader copies one block. Blocks load
+their tokenizer the way a user does, ``AutoTokenizer.from_pretrained(<model name>)``; here,
+without network, ``HF_HOME`` holds SmolLM2's tokenizer as ``transformers`` builds it from the
+GGUF on disk, and ``HF_HUB_OFFLINE=1``. A block that needs hardware this machine lacks (first
+line ``# needs: cuda``, ``tpu`` or ``multi-host``) is compiled, and skipped with the reason.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,41 +18,107 @@ import sys
 from pathlib import Path
 
 import pytest
+from _doc_blocks import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
-
-
-def python_blocks(path: Path) -> list[str]:
-    return BLOCK.findall(path.read_text())
-
+DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+BLOCKS = [(doc, line, code) for doc in DOCS for line, code in blocks((ROOT / doc).read_text())]
 
 # JAX warns when a jit donates a buffer it cannot write into (an argmax sampler never
 # materialises the masked logits): advice that donates for nothing must not ship.
 UNUSABLE_DONATION = "Some donated buffers were not usable"
 
+# Blocks of the porting guide's vLLM section that still use names defined in the blocks before
+# them (by their first line): expected to fail until they set themselves up; strict, so a fixed
+# one must leave this list.
+NOT_YET_SELF_CONTAINED = {
+    ("docs/porting.md", "k = 3"),
+    ("docs/porting.md", "rows = mask.reshape(2, k + 1, -1)"),
+    ("docs/porting.md", "ragged = np.array("),
+    ("docs/porting.md", "from types import SimpleNamespace"),
+}
 
-@pytest.mark.parametrize("doc", ["docs/porting.md", "README.md"])
-def test_code_blocks_run(doc, tmp_path):
-    """All python blocks of a document run in order, in one fresh interpreter, without JAX's
-    unusable-donation warning."""
-    blocks = python_blocks(ROOT / doc)
-    if not blocks:
-        pytest.skip(f"{doc} has no python blocks")
-    script = tmp_path / "doc_blocks.py"
-    script.write_text("\n\n".join(blocks))
+
+#: pages whose blocks take long all together (each loads a tokenizer, compiles a grammar)
+SLOW_DOCS = {"docs/porting.md"}
+
+
+def _case(doc: str, line: int, code: str) -> object:
+    marks = [pytest.mark.slow] if doc in SLOW_DOCS else []
+    if (doc, code.split("\n", 1)[0]) in NOT_YET_SELF_CONTAINED:
+        marks.append(pytest.mark.xfail(reason="uses names of the blocks before it", strict=True))
+    return pytest.param(doc, line, marks=marks, id=f"{doc}:{line}")
+
+
+@pytest.fixture(scope="module")
+def doc_runs(hf_home, tmp_path_factory):
+    """``run(doc)``: each block's record and the process's stderr (one process per page)."""
+    done: dict[str, tuple[dict[int, dict], str]] = {}
     env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        HF_HOME=hf_home,
+        HF_HUB_OFFLINE="1",
     )
-    done = subprocess.run(
-        [sys.executable, "-W", f"error:{UNUSABLE_DONATION}", str(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+
+    def run(doc: str) -> tuple[dict[int, dict], str]:
+        if doc not in done:
+            out = tmp_path_factory.mktemp("doc") / "blocks.jsonl"
+            proc = subprocess.run(
+                [sys.executable, "-W", f"error:{UNUSABLE_DONATION}",
+                 str(ROOT / "tests" / "_doc_blocks.py"), doc, str(out)],
+                cwd=ROOT, capture_output=True, text=True, env=env,
+                timeout=3600,  # a hang guard only
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            records = [json.loads(line) for line in out.read_text().splitlines()]
+            done[doc] = ({r["line"]: r for r in records}, proc.stderr)
+        return done[doc]
+
+    return run
+
+
+@pytest.mark.parametrize(("doc", "line"), [_case(*block) for block in BLOCKS])
+def test_code_block_runs_by_itself(doc_runs, doc, line):
+    records, _ = doc_runs(doc)
+    record = records[line]
+    if record["status"] == "compiled":
+        pytest.skip(f"{doc}:{line} compiled only: {record['detail']} (not on this machine)")
+    assert record["status"] == "passed", f"{doc}:{line}\n{record['detail']}"
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        pytest.param(doc, marks=[pytest.mark.slow] if doc in SLOW_DOCS else [])
+        for doc in sorted({doc for doc, _, _ in BLOCKS})
+    ],
+)
+def test_no_unusable_donation_warning(doc_runs, doc):
+    _, stderr = doc_runs(doc)
+    assert UNUSABLE_DONATION not in stderr, stderr[-3000:]
+
+
+def test_blocks_run_one_by_one(tmp_path):
+    """The runner gives each block its own namespace: a name defined in one block does not
+    exist in the next, and a `# needs: multi-host` block is compiled but not run."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nx = 1\n```\n\n```python\nprint(x)\n```\n\n"
+        "```python\n# needs: multi-host\nraise SystemExit(3)\n```\n\n"
+        "```python\n# needs: multi-host\ndef broken(:\n```\n"
     )
-    assert done.returncode == 0, f"{doc}: {done.stderr[-3000:]}"
-    assert UNUSABLE_DONATION not in done.stderr, f"{doc}: {done.stderr[-3000:]}"
+    out = tmp_path / "out.jsonl"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_doc_blocks.py"), str(page), str(out)],
+        check=True, timeout=600,
+    )  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["status"] for r in records] == ["passed", "failed", "compiled", "failed"]
+    assert "NameError: name 'x' is not defined" in records[1]["detail"]
+    assert records[2]["detail"] == "needs several hosts"
+    assert "SyntaxError" in records[3]["detail"]
 
 
 def test_pitfall_lines_exist():
@@ -58,9 +133,90 @@ def test_pitfall_lines_exist():
 
 
 def test_links_between_docs_resolve():
-    for doc in ["README.md", "docs/porting.md", "docs/design.md"]:
+    for doc in DOCS:
         path = ROOT / doc
-        if not path.exists():
-            continue
         for target in re.findall(r"\]\(([^)#:]+\.(?:md|png))\)", path.read_text()):
             assert (path.parent / target).exists(), f"{doc} links to missing {target}"
+
+
+def test_the_default_run_is_lean_and_ci_runs_the_rest():
+    """`scripts/test.sh` (the README's command) leaves the `slow` tests out; CI runs them."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    options = options["ini_options"]
+    assert "-m 'not slow'" in options["addopts"] and "--strict-markers" in options["addopts"]
+    assert any(m.startswith("slow:") for m in options["markers"])
+    ci = (ROOT / ".ci/run").read_text().splitlines()
+    assert "bash scripts/test.sh" in ci and "bash scripts/test.sh -m slow" in ci
+    assert "scripts/test.sh" in (ROOT / "README.md").read_text()
+
+
+# How the project's own developers reach a GPU is no user's business: phrases of that kind
+# must not come back into what users read (docs, scripts, the package's code and comments).
+TEAM_PHRASES = re.compile(
+    r"\bwork sessions?\b|\bother sessions\b|\banother session\b|\bsession's own\b"
+    r"|\blent an? (?:GPU|machine|device)\b|\b(?:device|GPU|\d+-minute) leases?\b"
+    r"|\bleases? (?:a |the )?(?:GPU|machine)\b|\bdevice tool\b|`device` tool|\bdevice calls?\b"
+    r"|\bdevice time\b|\bcarry\s*=|`carry`|\bgive_back\b|\bcan_start_another\b|(?-i:\$OUT\b)"
+    r"|\bthe lead\b|\bhelper sessions?\b",
+    re.IGNORECASE,
+)
+USER_FACING = [
+    "README.md",
+    ".ci/run",
+    "pyproject.toml",
+    *[f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")],
+    *[f"scripts/{p.name}" for p in (ROOT / "scripts").iterdir() if p.is_file()],
+    *[str(p.relative_to(ROOT)) for p in (ROOT / "portable_spec").rglob("*.py")],
+    *[str(p.relative_to(ROOT)) for p in (ROOT / "backends").rglob("*.py")],
+]
+
+
+@pytest.mark.parametrize("path", sorted(USER_FACING))
+def test_speaks_to_users_only(path):
+    text = (ROOT / path).read_text(encoding="utf-8")
+    found = [
+        f"line {text[: m.start()].count(chr(10)) + 1}: {m.group(0)!r}"
+        for m in TEAM_PHRASES.finditer(text)
+    ]
+    assert not found, f"{path}: {found}"
+
+
+def test_team_phrases_are_caught():
+    for text in [
+        "In a work session whose task is lent a GPU",
+        "the `device` tool's status",
+        'run(command="...", carry=[".device"])',
+        "a rerun in a 15-minute lease",
+        "then give_back",
+        "spending device time",
+        "come back from $OUT",
+    ]:
+        assert TEAM_PHRASES.search(text), text
+    for text in ["a DraftSession", "the block is lent", "a lease object", 'cd "$out"']:
+        assert not TEAM_PHRASES.search(text), text
+
+
+def test_benchmarks_count_their_sections():
+    """The opening of benchmarks.md says how many sections `portable-spec bench` has and
+    lists them: the number matches the list."""
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    numbers = [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+    ]
+    said = re.search(r"in (\w+) sections:\n\n", text)
+    assert said, "benchmarks.md no longer says how many sections there are"
+    listed = re.findall(r"^(\d+)\. \*\*", text[said.end() :].split("\n\n", 1)[0], re.MULTILINE)
+    assert numbers.index(said.group(1)) + 1 == len(listed) == int(listed[-1])

@@ -586,7 +586,7 @@ def _session_device(target):
     probe = target.put(np.zeros((8, 2), np.int64))
     if target.backend == "numpy":
         return {}
-    if target.backend == "cuda":
+    if target.backend == "torch":
         return {"device": probe.device}
     return {"device": probe.sharding}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 from _cases import draw_case
-from _oracle import ProtocolMatcher, expected_reasoning_mask, matcher_state
+from _oracle import ProtocolMatcher, Request, expected_reasoning_mask, matcher_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -151,7 +151,17 @@ def test_inactive_requests_and_chains_are_unchanged(smollm2):
         (ps.Reasoning([True, False], []), ValueError, "at least one end token"),
         (ps.Reasoning([True, False], [2], [2]), ValueError, "both end_token_ids"),
         (ps.Reasoning([True, False], [-1]), ValueError, "outside the vocabulary"),
-        (ps.Reasoning([True, False], "ab"), TypeError, "sequence of token ids"),
+        (ps.Reasoning([True, False], "ab"), TypeError, "collection of token ids"),
+        (ps.Reasoning([True, False], True), TypeError, "the bool True"),
+        (ps.Reasoning([True, False], 2.0), TypeError, "collection of token ids"),
+        (ps.Reasoning([True, False], {2.0}), TypeError, "int token ids, got 2.0"),
+        (ps.Reasoning([True, False], [2], [False]), TypeError, "content_end_token_ids"),
+        (ps.Reasoning([True, False], {-3}), ValueError, "holds -3, outside"),
+        (ps.Reasoning([True, False], -3), ValueError, "holds -3, outside"),
+        (ps.Reasoning([True, False], np.array([2.0])), TypeError, "dtype float64"),
+        (ps.Reasoning([True, False], np.array([[2]])), TypeError, r"shape \(1, 1\)"),
+        (ps.Reasoning([True, False], {2: "x"}), TypeError, "collection of token ids"),
+        (ps.Reasoning([True, False], iter([2])), TypeError, "collection of token ids"),
     ],
 )
 def test_bad_reasoning_moves_nothing(smollm2, reasoning, error, pattern):
@@ -161,6 +171,35 @@ def test_bad_reasoning_moves_nothing(smollm2, reasoning, error, pattern):
     with pytest.raises(error, match=pattern):
         ps.build_host_bitmask([m, None], tree, smollm2.size, reasoning=reasoning)
     assert matcher_state(m, PROBE, smollm2.words) == before
+
+
+@pytest.mark.parametrize(
+    "form",
+    [set, frozenset, tuple, list, np.array, "range", "int", "numpy int"],
+    ids=lambda f: f if isinstance(f, str) else f.__name__,
+)
+def test_token_ids_take_any_collection_of_ints(smollm2, form):
+    """A set, frozenset, tuple, list, range, integer array or a single int of end tokens builds
+    the mask the oracle gives for those tokens."""
+    compiled = smollm2.grammars["json_schema"]
+    end = smollm2.tokens.index("<|im_start|>")
+    brace = smollm2.tokens.index("{")
+    convert = {
+        "range": lambda ids: range(ids[0], ids[0] + 1),
+        "int": lambda ids: ids[0],
+        "numpy int": lambda ids: np.int32(ids[0]),
+    }.get(form, form)
+    draft = np.array([[0, 5, end, brace], [0, brace, 7, end]])
+    tree = ps.GrammarTree.from_linear_chain(draft)
+    matchers = [xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)]
+    reasoning = ps.Reasoning([True, True], convert([end]), convert([brace]))
+    got = ps.build_host_bitmask(matchers, tree, smollm2.size, reasoning=reasoning)
+    next_token, next_sibling, _ = tree.resolve()
+    expected = expected_reasoning_mask(
+        [Request(compiled), Request(compiled)], next_token, next_sibling, draft,
+        smollm2.size, smollm2.words, [True, True], {end}, {brace},
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_failing_matcher_below_the_end_is_named(smollm2):

@@ -49,9 +49,9 @@ def _check_readable(tensor: torch.Tensor) -> None:
 
 
 class TorchBackend(Backend):
-    """Backend for ``torch.Tensor`` (registered as ``"cuda"``, alias ``"torch"``)."""
+    """Backend for ``torch.Tensor`` (registered as ``"torch"``, alias ``"cuda"``)."""
 
-    name = "cuda"
+    name = "torch"
     framework = "torch"
 
     def __init__(self) -> None:

@@ -74,6 +74,8 @@ def _part(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
+    from portable_spec.devicecheck.limits import DEFAULT_TOTAL_S
+
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m portable_spec.devicecheck")
     sub = p.add_subparsers(dest="command")
@@ -82,9 +84,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", required=True, help="folder for device-check.json/.md/.log")
     run.add_argument("--work", help="folder for intermediate files (default: a new temp dir)")
     run.add_argument("--root", default=".", help="repository root (the tests live there)")
-    run.add_argument("--total", type=float, default=330.0, help="total time limit, s (330)")
     run.add_argument(
-        "--limit", action="append", default=[], metavar="PART=S", help="a part's time limit"
+        "--total",
+        type=float,
+        default=DEFAULT_TOTAL_S,
+        help=f"total time limit, s ({DEFAULT_TOTAL_S:.0f}): a guard against a hang",
+    )
+    run.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PART=S",
+        help="a part's own time limit (default: none under --cpu, calibrated on the GPU)",
     )
     run.add_argument("--parts", help="comma-separated parts to run (default: all)")
     run.add_argument("--prepare-status", help="JSON written by prepare.py (install report)")

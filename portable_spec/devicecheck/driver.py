@@ -5,7 +5,9 @@ processes of their own) in a fresh process started in a new session, so that a p
 hangs is killed with all its children at its limit and a part that crashes (a CUDA fault, a
 segfault) takes nothing else with it. A part's results reach the driver through its JSON file,
 rewritten after every section, so a killed part still reports what it finished. A total
-deadline caps every limit; parts it leaves no time for are reported as not run.
+deadline caps every limit; parts it leaves no time for are reported as not run. The limits
+are hang guards, never speed checks (:mod:`.limits`: none of a part's own under ``--cpu``;
+calibrated to the machine, with room for a cold first run, on the GPU machine).
 
 ``device-check.json`` and ``device-check.md`` are rewritten after every part: if the driver
 itself is killed, they still describe the parts that finished.
@@ -24,6 +26,7 @@ from typing import Any, TextIO
 
 from portable_spec.devicecheck import report
 from portable_spec.devicecheck.correctness import SUITES, kill_group, run_suite
+from portable_spec.devicecheck.limits import calibrate, scaled_limit
 from portable_spec.devicecheck.results import read_json
 
 __all__ = ["PARTS", "PartSpec", "machine_summary", "part_status", "run_check"]
@@ -31,7 +34,10 @@ __all__ = ["PARTS", "PartSpec", "machine_summary", "part_status", "run_check"]
 
 @dataclass(frozen=True)
 class PartSpec:
-    """A part: its name, title, time limit and module (with ``run(recorder, profile)``).
+    """A part: its name, title, typical duration and module (with ``run(recorder, profile)``).
+
+    ``typical_s``: how long the part takes on a quiet machine; its time limit on the GPU
+    machine is derived from it (:func:`.limits.scaled_limit`).
 
     ``gate``: a part whose failure fails the check (exit code 1); other parts' errors and
     time-outs give exit code 2. Failed checks made while measuring always give 1.
@@ -39,7 +45,7 @@ class PartSpec:
 
     name: str
     title: str
-    limit_s: float
+    typical_s: float
     module: str | None
     gate: bool = False
 
@@ -112,6 +118,18 @@ class Options:
     parts: tuple[str, ...]
     prepare_status: str | None
     command: list[str]
+    #: the machine's slowdown against the reference (:func:`.limits.calibrate`); set by
+    #: :func:`run_check` when left at None
+    factor: float | None = None
+
+    def limit(self, part: str | None, typical_s: float, left: float) -> float:
+        """The time limit of a part (``part``: its name) or of a correctness suite (``None``)
+        with ``left`` seconds before the deadline: the part's ``--limit`` if given, else the
+        scaled one (:func:`.limits.scaled_limit`), capped by ``left``."""
+        own = self.limits.get(part) if part is not None else None
+        if own is None:
+            own = scaled_limit(typical_s, self.mode, self.factor or 1.0)
+        return left if own is None else min(own, left)
 
 
 def _run_part(spec: PartSpec, options: Options, limit: float, log: TextIO) -> dict[str, Any]:
@@ -162,7 +180,7 @@ def _run_correctness(options: Options, limit: float, log: TextIO) -> dict[str, A
             root=options.root,
             python=sys.executable,
             gpu=options.mode == "gpu",
-            limit_s=min(suite.limit_s, left),
+            limit_s=options.limit(None, suite.typical_s, left),
             work_dir=options.work,
             log=log,
         )
@@ -235,16 +253,20 @@ def run_check(options: Options) -> int:
         "command": options.command,
         "total_limit_s": options.total_s,
         "prepare": read_json(options.prepare_status) if options.prepare_status else None,
+        "calibration": None,
         "parts": {},
         "wall_s": 0.0,
         "exit_code": 0,
     }
+    if options.factor is None:
+        payload["calibration"] = calibrate()
+        options.factor = float(payload["calibration"]["factor"])
     with open(os.path.join(options.out, "device-check.log"), "a", encoding="utf-8") as log:
         for spec in PARTS:
             if spec.name not in options.parts:
                 continue
             left = deadline - time.monotonic()
-            limit = min(options.limits.get(spec.name, spec.limit_s), left)
+            limit = options.limit(spec.name, spec.typical_s, left)
             t0 = time.monotonic()
             if left < MIN_START_S:
                 entry: dict[str, Any] = {

@@ -45,6 +45,14 @@ def _header(payload: dict[str, Any]) -> list[str]:
         + f"; started {payload.get('started')}; {payload.get('wall_s', 0):.0f} s wall time"
     )
     lines.append(f"- command: `{' '.join(payload.get('command', []))}`")
+    calibration = payload.get("calibration") or {}
+    own = "none of their own" if mode == "cpu" else "calibrated, with a cold-start allowance"
+    lines.append(
+        f"- time limits (hang guards, not speed checks): {payload.get('total_limit_s', 0):.0f} s"
+        f" in total; parts: {own}; machine slowdown {calibration.get('factor', '-')}x"
+        f" ({calibration.get('seconds', '-')} s for a {calibration.get('reference_s', '-')} s"
+        " reference workload)"
+    )
     if torch.get("gpu"):
         lines.append(
             f"- GPU: {torch['gpu']} (compute capability {torch.get('capability')}, "
