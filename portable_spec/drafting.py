@@ -205,7 +205,7 @@ class DraftSession:
     Raises:
         TypeError, ValueError: bad grammars, vocabulary, device or ``d2t``; a matcher that a
             build started with ``wait=False`` still walks (as for a blocking build; the
-            session's own calls that use the matchers refuse it too).
+            DraftSession's own calls that use the matchers refuse it too).
         MatcherError: a matcher raised while the root rows were filled.
 
     The constructor fills the root rows on the host (one fill per constrained request); it

@@ -279,7 +279,7 @@ def test_copy_install_lays_out_the_package_like_pyproject(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=60,
+        timeout=600,  # a hang guard only
     )
     assert done.returncode == 0, done.stderr
     package, backend, native = json.loads(done.stdout)

@@ -24,7 +24,7 @@ class GatedMatcher(ProtocolMatcher):
 
     def fill_next_token_bitmask(self, bitmask, index):
         self.entered.set()
-        assert self.gate.wait(10), "the test never opened the gate"
+        assert self.gate.wait(600), "the test never opened the gate"
         return super().fill_next_token_bitmask(bitmask, index)
 
 
@@ -42,13 +42,10 @@ def test_returns_at_once_and_holds_its_matchers(smollm2):
     gate = threading.Event()
     gated = GatedMatcher(requests[0].fresh(), gate)
     matchers = [gated, requests[1].fresh(), requests[2].fresh()]
-    started = time.perf_counter()
     handle = ps.build_grammar_vocab_mask(matchers, tree, smollm2.size, wait=False)
-    returned = time.perf_counter() - started
     assert isinstance(handle, ps.PendingMask)
-    assert gated.entered.wait(10)  # the build runs on another thread...
+    assert gated.entered.wait(600)  # the build runs on another thread...
     assert not handle.done()  # ... and waits for the gate: the call did not
-    assert returned < 5.0
     with pytest.raises(TimeoutError):
         handle.result(timeout=0.01)
     # a second build over a held matcher is refused, whatever the entry point
@@ -64,7 +61,7 @@ def test_returns_at_once_and_holds_its_matchers(smollm2):
     other = [requests[0].fresh()]  # other matchers build as usual meanwhile
     assert ps.build_host_bitmask(other, tree_of(1, smollm2), smollm2.size) is not None
     gate.set()
-    mask = handle.result(timeout=10)
+    mask = handle.result(timeout=600)
     assert handle.done()
     np.testing.assert_array_equal(mask, want)
     assert gated.depth == 0
@@ -83,11 +80,11 @@ def test_same_result_as_blocking(smollm2, layout):
     handle = ps.build_grammar_vocab_mask(
         [r.fresh() for r in requests], tree, smollm2.size, layout=layout, wait=False
     )
-    mask = handle.result(timeout=10)
+    mask = handle.result(timeout=600)
     got = mask.to_dense() if layout == "compact" else mask
     np.testing.assert_array_equal(got, want)
     none = ps.build_grammar_vocab_mask([None] * 5, tree, smollm2.size, wait=False)
-    assert none.result(timeout=10) is None
+    assert none.result(timeout=600) is None
 
 
 def test_errors_surface_from_result_with_matchers_restored(smollm2):
@@ -100,7 +97,7 @@ def test_errors_surface_from_result_with_matchers_restored(smollm2):
     untouched = ProtocolMatcher(requests[0].fresh())
     handle = ps.build_grammar_vocab_mask([untouched], cycle, smollm2.size, wait=False)
     with pytest.raises(ValueError, match="cycle|two parents|more than one"):
-        handle.result(timeout=10)
+        handle.result(timeout=600)
     assert untouched.calls == []
     # a matcher raising mid-walk: MatcherError names it, every matcher is back in its state
     good = requests[1].fresh()
@@ -110,7 +107,7 @@ def test_errors_surface_from_result_with_matchers_restored(smollm2):
         [good, None, failing], tree, smollm2.size, layout="compact", wait=False
     )
     with pytest.raises(ps.MatcherError, match=r"grammars\[2\]") as info:
-        handle.result(timeout=10)
+        handle.result(timeout=600)
     assert info.value.request_index == 2
     with pytest.raises(ps.MatcherError):  # the same error again
         handle.result()
@@ -153,8 +150,8 @@ def test_many_pending_builds_and_dropped_handles(smollm2):
     dropped = [requests[0].fresh()]
     ps.build_grammar_vocab_mask(dropped, tree, smollm2.size, wait=False)  # handle dropped
     for handle, want in handles:
-        np.testing.assert_array_equal(handle.result(timeout=10), want)
-    deadline = time.monotonic() + 10
+        np.testing.assert_array_equal(handle.result(timeout=600), want)
+    deadline = time.monotonic() + 600  # a hang guard only
     while True:
         try:
             ps.build_host_bitmask(dropped, tree, smollm2.size)
@@ -205,14 +202,14 @@ gate, entered = threading.Event(), threading.Event()
 class Gated(ProtocolMatcher):
     def fill_next_token_bitmask(self, bitmask, index):
         entered.set()
-        gate.wait(10)
+        gate.wait(600)
         return super().fill_next_token_bitmask(bitmask, index)
 
 
 matcher = Gated(xgr.GrammarMatcher(grammar))
 tree = ps.GrammarTree.from_linear_chain(np.array([[0, vocab.tokens.index("{")]]))
 handle = ps.build_grammar_vocab_mask([matcher], tree, vocab.size, wait=False)
-assert entered.wait(10)
+assert entered.wait(600)
 try:
     ps.build_host_bitmask([matcher], tree, vocab.size)
     raise SystemExit("the parent did not refuse a held matcher")
@@ -225,12 +222,12 @@ if pid == 0:
     try:
         mask = ps.build_host_bitmask([matcher], tree, vocab.size)
         later = ps.build_grammar_vocab_mask([matcher], tree, vocab.size, wait=False)
-        code = 0 if np.array_equal(later.result(timeout=10), mask) else 2
+        code = 0 if np.array_equal(later.result(timeout=600), mask) else 2
     finally:
         os._exit(code)
 _, status = os.waitpid(pid, 0)
 gate.set()
-handle.result(timeout=10)
+handle.result(timeout=600)
 raise SystemExit(os.waitstatus_to_exitcode(status))
 """
 
