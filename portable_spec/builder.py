@@ -240,11 +240,20 @@ def build_host_bitmask(
     root_ok = np.ones(batch, dtype=bool)
     # per request: draft nodes checked against the grammar, and those it refused
     counts = np.zeros((batch, 2), dtype=np.int64)
-    # rows of accepted, non-terminated nodes (only when asked: return_valid)
-    live = np.zeros(rows, dtype=bool) if return_valid else None
     splits = {}
-    if not packed:
+    if not packed and nodes >= SPLIT_MIN_NODES:
         splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
+    # return_valid: written by the jobs themselves when every request is an xgrammar one
+    # repaired in its job (the compiled helper) or unconstrained on a chain (every node
+    # reached); else derived after the walks from ``live``, the rows of accepted,
+    # non-terminated nodes.
+    accepted = live = None
+    if return_valid:
+        if _jobs_write_valid(kinds, splits, tree):
+            accepted = np.empty(rows, dtype=bool)
+        else:
+            live = np.zeros(rows, dtype=bool)
+    spans = tree.spans()
     jobs, owners = _make_jobs(
         grammars,
         kinds,
@@ -257,9 +266,13 @@ def build_host_bitmask(
         vocab_size,
         tree.is_chain,
         live,
-        tree.spans(),
+        spans,
+        accepted,
     )
-    parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
+    constrained_rows = len(constrained) * nodes
+    if packed:
+        constrained_rows = sum(spans[b][1] for b in constrained)
+    parallel = bool(splits) or constrained_rows >= PARALLEL_MIN_NODES
     seconds = run_jobs(jobs, owners, parallel)
     # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
     # or a request split over several walks) are repaired here, vectorized over the batch.
@@ -274,8 +287,24 @@ def build_host_bitmask(
     valid = None
     if live is not None:
         valid = _valid_nodes(mask, tree, draft, kinds, infos, root_ok, vocab_size, live)
+    elif accepted is not None:
+        valid = accepted if packed else accepted.reshape(batch, nodes)
     account(constrained, owners, seconds, counts, rows, (started, resolved))
     return mask if valid is None else (mask, valid)
+
+
+def _jobs_write_valid(kinds: list[int], splits: dict[int, Any], tree: GrammarTree) -> bool:
+    """Whether the jobs can write ``return_valid``'s flags themselves (see the build)."""
+    if compiled.native is None or splits:
+        return False
+    allowed = (XGRAMMAR, NONE) if tree.is_chain or tree.is_packed else (XGRAMMAR,)
+    return set(kinds).issubset(allowed)
+
+
+def _allow_all(block: np.ndarray, accepted: np.ndarray) -> None:
+    """An unconstrained chain request: every row all-allowed, every node accepted."""
+    block.fill(ALL_ALLOWED)
+    accepted.fill(True)
 
 
 def run_jobs(jobs: list[Callable[[], None]], owners: list[int], parallel: bool) -> list[float]:
@@ -283,6 +312,18 @@ def run_jobs(jobs: list[Callable[[], None]], owners: list[int], parallel: bool) 
     each one's seconds; a failing job raises :class:`MatcherError` naming its request
     (``owners[i]`` for job ``i``, unless the job named it itself)."""
     seconds = [0.0] * len(jobs)
+    if not parallel or len(jobs) == 1:  # inline on the calling thread, no pool hand-off
+        for i, job in enumerate(jobs):
+            start = perf_counter()
+            try:
+                job()
+            except MatcherError as exc:  # a batch-wide job named its request
+                raise exc from exc.error
+            except BaseException as exc:
+                raise MatcherError(owners[i], exc) from exc
+            finally:
+                seconds[i] = perf_counter() - start
+        return seconds
 
     def run_job(i: int) -> None:
         start = perf_counter()
@@ -315,7 +356,11 @@ def account(
     for owner, spent in zip(owners, seconds, strict=True):
         if owner in per_request:
             per_request[owner] += spent
-    checked, rejected = (int(n) for n in counts.sum(axis=0))
+    if len(counts) <= 16:  # a few numbers: cheaper in Python than a numpy reduction
+        pairs = counts.tolist()
+        checked, rejected = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    else:
+        checked, rejected = (int(n) for n in counts.sum(axis=0))
     started, resolved = times
     record_build(
         per_request.items(),
@@ -340,6 +385,7 @@ def _make_jobs(
     chains: bool,
     live: np.ndarray | None,
     spans: list[tuple[int, int]],
+    accepted: np.ndarray | None = None,
 ) -> tuple[list[Callable[[], None]], list[int]]:
     """One job per request (several for a split request), one job for all requests walked in
     Python, one per llguidance width for chains; and the (first) request of each job.
@@ -347,7 +393,8 @@ def _make_jobs(
     Jobs that decide which nodes the grammar accepts write ``counts[b]`` (draft nodes
     checked, refused); the others leave it to the row repair after the walks. Request ``b``'s
     rows are ``mask[start:start + n]`` for ``(start, n) = spans[b]``, its nodes the first ``n``
-    of its links."""
+    of its links. ``accepted`` (flat bool ``[rows]``, see :func:`_jobs_write_valid`) receives
+    which nodes the grammars accept, written by the jobs."""
     next_token, next_sibling, draft = arrays
     jobs: list[Callable[[], None]] = []
     owners: list[int] = []
@@ -365,7 +412,9 @@ def _make_jobs(
         start, n = spans[b]
         block = mask[start : start + n]
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        if kind == NONE:
+        if kind == NONE and accepted is not None:
+            jobs.append(partial(_allow_all, block, accepted[start : start + n]))
+        elif kind == NONE:
             jobs.append(partial(block.fill, ALL_ALLOWED))
         elif kind == LLGUIDANCE and chains:
             continue
@@ -389,7 +438,8 @@ def _make_jobs(
             if compiled.native is not None:
                 limit = min(vocab_size, info.vocab_size)
                 job = partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit)
-                jobs.append(partial(job, counts[b], root_ok, b))
+                flags = None if accepted is None else accepted[start : start + n]
+                jobs.append(partial(job, counts[b], root_ok, b, flags))
             else:
                 job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None)
                 jobs.append(job)
@@ -446,16 +496,21 @@ def _xgrammar_repaired_job(
     counts: np.ndarray,
     root_ok: np.ndarray,
     b: int,
+    accepted: np.ndarray | None = None,
 ) -> None:
     """Walk one request with xgrammar's C++ traversal, then repair its rows in place with the
-    compiled helper (both release the GIL); store its (checked, refused) node counts."""
+    compiled helper (both release the GIL); store its (checked, refused) node counts, and
+    which nodes the grammar accepts into ``accepted`` (its ``[nodes]`` flags) if given."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
     live = root_ok[b] = walk_xgrammar(matcher, *links, target)
     if target is not block:
         _copy_rows(block, target, info.words, None)
     repair = compiled.native.repair_rows  # type: ignore[union-attr]
-    _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
+    if accepted is None:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
+    else:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live), accepted)
 
 
 def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:

@@ -206,6 +206,15 @@ class GrammarTree:
         """
         if isinstance(draft_tokens, (list, tuple)):
             draft_tokens = np.asarray(draft_tokens, dtype=np.int64)
+        if (
+            type(draft_tokens) is np.ndarray
+            and draft_tokens.ndim == 2
+            and draft_tokens.dtype.kind in "iu"
+            and draft_tokens.shape[1] >= 1
+        ):  # the common host case in a few attribute reads (no framework look-up)
+            batch, nodes = draft_tokens.shape
+            host = get_backend("numpy")
+            return cls([([2], _Ready([draft_tokens]))], batch, nodes, host, chain=True)
         backend = backend_for(draft_tokens)
         info = _info("draft_tokens", draft_tokens, backend)
         batch, nodes = _check_shapes([info], ["draft_tokens"])
