@@ -371,3 +371,16 @@ def test_device_offsets_are_checked_before_any_matcher_moves(smollm2):
     with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
         ps.build_host_bitmask(matchers, short, smollm2.size, return_valid=True)
     assert [matcher_state(m, PROBE, smollm2.words) for m in matchers] == before
+
+
+def test_offsets_layout_is_not_confused_across_shapes_and_lengths(smollm2):
+    """The same offset bytes as a 2-D array, or with another token count, are refused even
+    right after a good build with those offsets (the checked layout is reused only for equal
+    offsets and token counts)."""
+    requests, _, tokens, offsets = _json_batch(smollm2)
+    good = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    ps.build_host_bitmask([r.fresh() for r in requests], good, smollm2.size)
+    with pytest.raises(ValueError, match="offsets must be 1-D"):
+        ps.GrammarTree.from_packed_chains(tokens, offsets.reshape(1, -1))
+    with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
+        ps.GrammarTree.from_packed_chains(tokens[:-1], offsets)
