@@ -233,6 +233,8 @@ def build_host_bitmask(
     rows = tree.rows
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
     started = perf_counter()
+    if _inline(kinds, constrained, tree, return_valid):
+        return _build_inline(grammars, kinds, infos, tree, mask, vocab_size, return_valid, started)
     next_token, next_sibling, draft = tree.resolve()
     resolved = perf_counter()
     tree.validate()
@@ -291,6 +293,82 @@ def build_host_bitmask(
         valid = accepted if packed else accepted.reshape(batch, nodes)
     account(constrained, owners, seconds, counts, rows, (started, resolved))
     return mask if valid is None else (mask, valid)
+
+
+def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:
+    """Whether a build is small and simple enough for :func:`_build_inline`: the compiled
+    helper, few rows (no pool), no tree big enough to split, xgrammar requests only (and
+    unconstrained ones, on chains when the valid flags are asked for)."""
+    if compiled.native is None or tree.nodes >= SPLIT_MIN_NODES:
+        return False
+    if len(constrained) * tree.nodes >= PARALLEL_MIN_NODES:
+        return False
+    chains = tree.is_chain or tree.is_packed
+    allowed = (XGRAMMAR, NONE) if chains or not valid else (XGRAMMAR,)
+    return set(kinds).issubset(allowed)
+
+
+def _build_inline(
+    grammars: Sequence[Any],
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    tree: GrammarTree,
+    mask: np.ndarray,
+    vocab_size: int,
+    return_valid: bool,
+    started: float,
+) -> Any:
+    """The build of a small batch of xgrammar requests on the calling thread, request after
+    request: the C++ traversal, then the compiled repair writing the counts and valid flags
+    (both release the GIL); no job objects, no pool, no pass over the mask afterwards. Same
+    result, checks and accounting as the general path."""
+    next_token, next_sibling, draft = tree.resolve()
+    resolved = perf_counter()
+    tree.validate()
+    spans = tree.spans()
+    accepted = np.empty(tree.rows, dtype=bool) if return_valid else None
+    repair = compiled.native.repair_rows  # type: ignore[union-attr]
+    words = mask.shape[1]
+    walks = []
+    checked = rejected = 0
+    for b, kind in enumerate(kinds):
+        start, n = spans[b]
+        block = mask[start : start + n]
+        flags = None if accepted is None else accepted[start : start + n]
+        if kind == NONE:
+            block.fill(ALL_ALLOWED)
+            if flags is not None:
+                flags.fill(True)
+            continue
+        began = perf_counter()
+        info: MatcherInfo = infos[b]  # type: ignore[assignment]
+        links = (next_token[b, :n], next_sibling[b, :n], draft[b, :n])
+        try:
+            target = block if info.words == words else _scratch_rows(n, info.words)
+            live = int(walk_xgrammar(grammars[b], *links, target))
+            if target is not block:
+                _copy_rows(block, target, info.words, None)
+            limit = min(vocab_size, info.vocab_size)
+            if flags is None:
+                _, c, r = repair(block, *links, limit, info.stop_ids, live)
+            else:
+                _, c, r = repair(block, *links, limit, info.stop_ids, live, flags)
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
+        checked += c
+        rejected += r
+        walks.append((b, perf_counter() - began))
+    record_build(
+        walks,
+        tree.rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)
 
 
 def _jobs_write_valid(kinds: list[int], splits: dict[int, Any], tree: GrammarTree) -> bool:
