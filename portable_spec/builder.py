@@ -893,20 +893,34 @@ def per_node(tree: GrammarTree, padded: np.ndarray) -> np.ndarray:
     if not tree.is_packed:
         return grid.copy()
     lengths = np.diff(tree.offsets)
-    return grid[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+    flags = np.zeros(tree.rows, dtype=bool)
+    flags[_positions(tree)] = grid[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+    return flags
+
+
+def _positions(tree: GrammarTree) -> np.ndarray:
+    """Packed chains: the mask row of each packed node (its index among ``tokens`` for
+    trees of :meth:`GrammarTree.from_packed_chains`; the rows of their spans in general)."""
+    offsets = tree.offsets
+    assert offsets is not None
+    starts = np.array([start for start, _ in tree.spans()], dtype=np.int64)
+    return np.arange(int(offsets[-1]), dtype=np.int64) + np.repeat(
+        starts - offsets[:-1], np.diff(offsets)
+    )
 
 
 def _packed_rows(tree: GrammarTree, draft: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Packed chains, per row: ``(request, parent row or -1, token, first rows)``."""
+    """Packed chains, per packed node: ``(request, parent node or -1, token, first nodes,
+    mask row)``."""
     offsets = tree.offsets
     assert offsets is not None
     starts = offsets[:-1]
     lengths = np.diff(offsets)
     request = np.repeat(np.arange(tree.batch), lengths)
-    parent = np.arange(-1, tree.rows - 1, dtype=np.int64)
+    parent = np.arange(-1, int(offsets[-1]) - 1, dtype=np.int64)
     parent[starts] = -1
     tokens = draft[np.arange(tree.nodes)[None, :] < lengths[:, None]]
-    return request, parent, tokens, starts
+    return request, parent, tokens, starts, _positions(tree)
 
 
 def _rewrite_packed(
@@ -923,7 +937,7 @@ def _rewrite_packed(
     """The row repair of packed chains (each row's parent is the row before it): the local
     test per row, ANDed along each chain by a running count of failures. Returns which rows
     (of ``requests``) keep a grammar row; ``write=False`` only says so."""
-    request, parent, tokens, starts = _packed_rows(tree, draft)
+    request, parent, tokens, starts, position = _packed_rows(tree, draft)
     words = mask.shape[1]
     selected = np.zeros(tree.batch, dtype=bool)
     selected[requests] = True
@@ -934,7 +948,8 @@ def _rewrite_packed(
     in_range = (tokens >= 0) & (tokens < limit)
     safe = np.where(in_range, tokens, 0)
     has_parent = parent >= 0
-    word = mask.reshape(-1)[np.where(has_parent, parent, 0) * words + (safe >> 5)]
+    parent_row = position[np.where(has_parent, parent, 0)]
+    word = mask.reshape(-1)[parent_row * words + (safe >> 5)]
     allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range & has_parent
     local = allowed.copy()
     for b in requests:
@@ -955,7 +970,7 @@ def _rewrite_packed(
     if write:
         rewrite = np.flatnonzero(selected[request] & ~keep)
         if rewrite.size:
-            mask[rewrite] = ALL_ALLOWED
+            mask[position[rewrite]] = ALL_ALLOWED
     return keep
 
 
@@ -969,8 +984,8 @@ def _valid_packed(
     vocab_size: int,
     live: np.ndarray,
 ) -> np.ndarray:
-    """:func:`_valid_nodes` for packed chains: flat bool ``[rows]``."""
-    request, parent, tokens, starts = _packed_rows(tree, draft)
+    """:func:`_valid_nodes` for packed chains: flat bool ``[rows]`` (mask rows; ``live`` too)."""
+    request, parent, tokens, starts, position = _packed_rows(tree, draft)
     is_kind = np.asarray(kinds)[request]
     xgrammar = [b for b, kind in enumerate(kinds) if kind == XGRAMMAR]
     if xgrammar:
@@ -979,13 +994,16 @@ def _valid_packed(
             mask, tree, draft, infos, root_ok, vocab_size, xgrammar, scratch, False
         )
         rows = is_kind == XGRAMMAR
-        live[rows] = kept[rows]
+        live[position[rows]] = kept[rows]
     has_parent = parent >= 0
     in_range = (tokens >= 0) & (tokens < vocab_size)
     safe = np.where(in_range, tokens, 0)
-    word = mask[np.where(has_parent, parent, 0), safe >> 5]
+    parent_row = position[np.where(has_parent, parent, 0)]
+    word = mask[parent_row, safe >> 5]
     allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range
-    valid = has_parent & live[np.where(has_parent, parent, 0)] & allowed
+    valid = has_parent & live[parent_row] & allowed
     valid[starts] = True
     valid[is_kind == NONE] = True
-    return valid
+    flags = np.zeros(tree.rows, dtype=bool)
+    flags[position] = valid
+    return flags

@@ -288,6 +288,22 @@ class GrammarTree:
         device = backend.device_of(tokens)
         return cls(staged, batch, nodes, backend, False, device=device, offsets=layout, rows=rows)
 
+    @classmethod
+    def _placed_chains(
+        cls, tokens: np.ndarray, lengths: list[int], starts: list[int], rows: int
+    ) -> GrammarTree:
+        """Internal: packed chains (int64 host ``tokens``, one chain per entry of ``lengths``)
+        whose mask rows start at ``starts`` inside a mask of ``rows`` rows (ranges disjoint,
+        in bounds; rows outside them are neither written nor flagged by a build)."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        offsets.flags.writeable = False
+        layout = _PackedLayout(offsets, starts)
+        tree = cls([([2], _Ready([tokens]))], layout.batch, layout.nodes, get_backend("numpy"),
+                   False, offsets=layout, rows=int(offsets[-1]))  # fmt: skip
+        tree.rows = rows
+        return tree
+
     # -- reading -------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
@@ -342,7 +358,7 @@ class GrammarTree:
                         self._offsets = _packed_layout(host, self.rows)
                         self.nodes = self._offsets.nodes
                     elif self._packed:
-                        slots[position] = _as_int64(host, (self.rows,))
+                        slots[position] = _as_int64(host, (-1,))
                     else:
                         slots[position] = _as_int64(host, shape)
             if self._packed:
@@ -477,13 +493,13 @@ class _PackedLayout:
 
     __slots__ = ("batch", "inside", "next_sibling", "next_token", "nodes", "offsets", "spans")
 
-    def __init__(self, offsets: np.ndarray) -> None:
+    def __init__(self, offsets: np.ndarray, starts: list[int] | None = None) -> None:
         self.offsets = offsets
         bounds = offsets.tolist()
         lengths = [e - s for s, e in itertools.pairwise(bounds)]
         self.batch = len(lengths)
         self.nodes = max(lengths, default=1)
-        self.spans = list(zip(bounds[:-1], lengths, strict=True))
+        self.spans = list(zip(bounds[:-1] if starts is None else starts, lengths, strict=True))
         column = np.arange(self.nodes, dtype=np.int64)
         length = np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
         # None when every chain has the same length (the tokens are the grid as they are)

@@ -73,16 +73,17 @@ def _draw_chain(data, request, vocab, vocab_size, length):
     return tokens
 
 
-def _draw_packed(data, smollm2, engines, max_length=8):
-    """A drawn batch (grammars with prefixes, some unconstrained) and ragged chains:
-    ``(case, chains, tokens, offsets)``."""
+def _draw_packed(data, smollm2, engines, max_length=8, uniform=False):
+    """A drawn batch (grammars with prefixes, some unconstrained) and ragged chains (of one
+    length with ``uniform``): ``(case, chains, tokens, offsets)``."""
     make, kinds = _factory(smollm2, engines)
     case = draw_case(
         data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=1, max_batch=5
     )
     chains = []
+    same = data.draw(st.integers(1, max_length), label="uniform length")
     for request in case.requests:
-        length = data.draw(st.integers(1, max_length), label="chain length")
+        length = same if uniform else data.draw(st.integers(1, max_length), label="length")
         chains.append(_draw_chain(data, request, smollm2, case.vocab_size, length))
     offsets = np.cumsum([0, *map(len, chains)]).astype(np.int64)
     tokens = np.array([t for chain in chains for t in chain], dtype=np.int64)
@@ -139,11 +140,14 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
 
 
 @pytest.mark.parametrize("engines", [("xgrammar",), ENGINES])
+@pytest.mark.parametrize("layout", ["packed", "linear"])
 @SETTINGS
 @given(data=st.data())
-def test_reasoning_matches_oracle(smollm2, engines, data):
-    """reasoning= over packed chains equals the reasoning replay of each chain."""
-    case, chains, tokens, offsets = _draw_packed(data, smollm2, engines)
+def test_reasoning_matches_oracle(smollm2, engines, layout, builder_mode, data, monkeypatch):
+    """reasoning= over packed chains (and linear chains of one length) equals the reasoning
+    replay of each chain, inline or through the pool, matchers restored."""
+    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    case, chains, tokens, offsets = _draw_packed(data, smollm2, engines, uniform=layout == "linear")
     seen = sorted({int(t) for c in chains for t in c[1:] if 0 <= t < smollm2.size})
     pool = [*seen, smollm2.eos, 0, 5]
     chosen = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4, unique=True))
@@ -154,10 +158,14 @@ def test_reasoning_matches_oracle(smollm2, engines, data):
     )
     reasoning = ps.Reasoning(active, ends, content)
     before = _prints(case.matchers, smollm2.words)
-    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    if layout == "linear":
+        tree = ps.GrammarTree.from_linear_chain(np.array(chains, dtype=np.int64))
+    else:
+        tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
     mask, valid = ps.build_host_bitmask(
         case.matchers, tree, case.vocab_size, reasoning=reasoning, return_valid=True
     )
+    valid = valid.reshape(-1)
     blocks, flags = [], []
     for b, chain in enumerate(chains):
         nt, ns = _links(len(chain))
