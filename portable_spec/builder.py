@@ -54,6 +54,12 @@ PARALLEL_MIN_NODES = 48
 # replays and waking a worker cost tens of microseconds, so only big trees gain.
 SPLIT_MIN_NODES = 256
 SPLIT_MIN_PART = 16
+# Chains up to INLINE_CHAIN_NODES nodes per request stay on the calling thread up to
+# SHORT_CHAIN_FACTOR times more rows: each request's GIL-free work (its K + 1 rows) is too
+# short for a second thread to gain, workers would mostly wait for the GIL (measured with 1
+# to 8 drafts, batch 8 to 256: the pool was slower in every configuration).
+INLINE_CHAIN_NODES = 9
+SHORT_CHAIN_FACTOR = 64
 
 _scratch = threading.local()
 
@@ -297,13 +303,16 @@ def build_host_bitmask(
 
 def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:
     """Whether a build is small and simple enough for :func:`_build_inline`: the compiled
-    helper, few rows (no pool), no tree big enough to split, xgrammar requests only (and
-    unconstrained ones, on chains when the valid flags are asked for)."""
+    helper, few rows or short chains (no pool), no tree big enough to split, xgrammar
+    requests only (and unconstrained ones, on chains when the valid flags are asked for)."""
     if compiled.native is None or tree.nodes >= SPLIT_MIN_NODES:
         return False
-    if len(constrained) * tree.nodes >= PARALLEL_MIN_NODES:
-        return False
     chains = tree.is_chain or tree.is_packed
+    limit = PARALLEL_MIN_NODES
+    if chains and tree.nodes <= INLINE_CHAIN_NODES:
+        limit *= SHORT_CHAIN_FACTOR
+    if len(constrained) * tree.nodes >= limit:
+        return False
     allowed = (XGRAMMAR, NONE) if chains or not valid else (XGRAMMAR,)
     return set(kinds).issubset(allowed)
 
