@@ -69,6 +69,8 @@ LAYOUTS = ("dense", "compact")
 
 def check_vocab_size(vocab_size: Any) -> int:
     """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
+    if type(vocab_size) is int and vocab_size > 0:  # the common case, without an ABC check
+        return vocab_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     vocab_size = int(vocab_size)
