@@ -13,6 +13,10 @@ three steps, all through :func:`portable_spec.build_host_bitmask`:
    starting state (for a content end token, the token itself is the grammar's first), in
    rounds with at most one sub-tree per matcher; the rows are copied into place.
 
+Chains (linear or packed) take one build instead: the free-text rows are written while a
+chain reasons, and the rest of each chain below the node that ends the reasoning is built
+together with the other requests' chains, in place.
+
 Every check runs before any matcher moves; matchers end where they started.
 """
 
