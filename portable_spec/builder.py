@@ -342,6 +342,8 @@ def _build_inline(
     words = mask.shape[1]
     walks = []
     checked = rejected = 0
+    full = tree.nodes
+    began = perf_counter()
     for b, kind in enumerate(kinds):
         start, n = spans[b]
         block = mask[start : start + n]
@@ -351,24 +353,28 @@ def _build_inline(
             if flags is not None:
                 flags.fill(True)
             continue
-        began = perf_counter()
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        links = (next_token[b, :n], next_sibling[b, :n], draft[b, :n])
+        if n == full:
+            nt, ns, dt = next_token[b], next_sibling[b], draft[b]
+        else:
+            nt, ns, dt = next_token[b, :n], next_sibling[b, :n], draft[b, :n]
         try:
             target = block if info.words == words else _scratch_rows(n, info.words)
-            live = int(walk_xgrammar(grammars[b], *links, target))
+            live = int(walk_xgrammar(grammars[b], nt, ns, dt, target))
             if target is not block:
                 _copy_rows(block, target, info.words, None)
             limit = min(vocab_size, info.vocab_size)
             if flags is None:
-                _, c, r = repair(block, *links, limit, info.stop_ids, live)
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live)
             else:
-                _, c, r = repair(block, *links, limit, info.stop_ids, live, flags)
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live, flags)
         except BaseException as exc:
             raise MatcherError(b, exc) from exc
         checked += c
         rejected += r
-        walks.append((b, perf_counter() - began))
+        ended = perf_counter()
+        walks.append((b, ended - began))
+        began = ended
     record_build(
         walks,
         tree.rows,
