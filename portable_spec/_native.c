@@ -450,4 +450,12 @@ static struct PyModuleDef module = {
     "GIL-free index work of the mask build (link validation, row repair, row copies).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* repair_rows takes the optional `valid` output (older builds of this module do not) */
+    if (m != NULL && PyModule_AddIntConstant(m, "REPAIR_VALID", 1) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

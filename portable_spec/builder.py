@@ -309,6 +309,8 @@ def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: 
     requests only (and unconstrained ones, on chains when the valid flags are asked for)."""
     if compiled.native is None or tree.nodes >= SPLIT_MIN_NODES:
         return False
+    if valid and not _repair_writes_valid():
+        return False
     chains = tree.is_chain or tree.is_packed
     limit = PARALLEL_MIN_NODES
     if chains and tree.nodes <= INLINE_CHAIN_NODES:
@@ -390,10 +392,16 @@ def _build_inline(
 
 def _jobs_write_valid(kinds: list[int], splits: dict[int, Any], tree: GrammarTree) -> bool:
     """Whether the jobs can write ``return_valid``'s flags themselves (see the build)."""
-    if compiled.native is None or splits:
+    if compiled.native is None or splits or not _repair_writes_valid():
         return False
     allowed = (XGRAMMAR, NONE) if tree.is_chain or tree.is_packed else (XGRAMMAR,)
     return set(kinds).issubset(allowed)
+
+
+def _repair_writes_valid() -> bool:
+    """Whether the compiled helper's ``repair_rows`` takes the ``valid`` output (a build of
+    the helper older than the library's sources does not: the numpy pass is used then)."""
+    return bool(getattr(compiled.native, "REPAIR_VALID", 0))
 
 
 def _allow_all(block: np.ndarray, accepted: np.ndarray) -> None:

@@ -392,3 +392,34 @@ def test_offsets_layout_is_not_confused_across_shapes_and_lengths(smollm2):
         ps.GrammarTree.from_packed_chains(tokens, offsets.reshape(1, -1))
     with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
         ps.GrammarTree.from_packed_chains(tokens[:-1], offsets)
+
+
+def test_an_older_compiled_helper_still_gives_the_oracle_rows(smollm2, monkeypatch):
+    """A compiled helper built before ``repair_rows`` took the valid output (no
+    ``REPAIR_VALID``): builds fall back to the numpy valid pass, same rows and flags."""
+    import portable_spec.native as native_module
+
+    real = native_module.native
+    if real is None:
+        pytest.skip("portable_spec._native is not built here")
+
+    class Older:
+        links_valid = staticmethod(real.links_valid)
+        keep_rows = staticmethod(real.keep_rows)
+        take_rows = staticmethod(real.take_rows)
+
+        @staticmethod
+        def repair_rows(*args):
+            if len(args) > 7:
+                raise TypeError("repair_rows() takes at most 7 arguments")
+            return real.repair_rows(*args)
+
+    monkeypatch.setattr(native_module, "native", Older())
+    requests, chains, tokens, offsets = _json_batch(smollm2)
+    case = type("C", (), {"requests": requests})()
+    want, want_valid = _oracle(case, chains, smollm2.size, smollm2.words)
+    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    matchers = [r.fresh() for r in requests]
+    mask, valid = ps.build_host_bitmask(matchers, tree, smollm2.size, return_valid=True)
+    _assert_rows(mask, want)
+    np.testing.assert_array_equal(valid, want_valid)
