@@ -9,7 +9,7 @@
  *       one link into any node, no cycle (also among nodes the root does not reach). It only
  *       answers yes or no; the Python validator explains a "no".
  *
- *   repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state)
+ *   repair_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state[, valid])
  *       -> (kept, checked, rejected)
  *       After xgrammar's traverse_draft_tree filled `rows` (int32 [nodes, words]): decide from
  *       node indices which nodes keep their row (accepted and not terminated: every node on
@@ -20,7 +20,9 @@
  *       Returns the number of rows kept, of draft nodes whose token the grammar was asked
  *       about (children of kept nodes) and of those it refused (token out of range or its bit
  *       clear; an accepted stop token is not a refusal). The links must be valid
- *       (links_valid); they are still bounds-checked.
+ *       (links_valid); they are still bounds-checked. `valid` (bool [nodes]), when given,
+ *       receives which nodes the grammar accepts: the root, and every child of a kept node
+ *       whose token is in range with its bit set (stop tokens included).
  *
  *   keep_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_state, kept)
  *       -> (kept, checked, rejected)
@@ -156,10 +158,14 @@ static PyObject *links_valid(PyObject *self, PyObject *args) {
 static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t words,
                               const int64_t *first, const int64_t *next, const int64_t *token,
                               long long limit, const int64_t *stop, Py_ssize_t nstops,
-                              int root_ok, int32_t *queue, uint8_t *keep,
+                              int root_ok, int32_t *queue, uint8_t *keep, uint8_t *valid,
                               Py_ssize_t *checked_out, Py_ssize_t *rejected_out) {
     Py_ssize_t checked = 0, rejected = 0;
     memset(keep, 0, (size_t)n);
+    if (valid != NULL) {
+        memset(valid, 0, (size_t)n);
+        valid[0] = 1;
+    }
     if (root_ok < 0) {
         root_ok = 0;
         for (Py_ssize_t w = 0; w < words && !root_ok; w++)
@@ -179,6 +185,7 @@ static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t word
                 int ok = t >= 0 && t < limit && ((parent_row[t >> 5] >> (t & 31)) & 1u);
                 checked++;
                 rejected += !ok;
+                if (valid != NULL) valid[c] = (uint8_t)ok;
                 for (Py_ssize_t s = 0; ok && s < nstops; s++)
                     if (stop[s] == t) ok = 0;
                 if (ok && !keep[c] && tail < n) {
@@ -191,6 +198,23 @@ static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t word
     *checked_out = checked;
     *rejected_out = rejected;
     return tail;
+}
+
+/* A writable C-contiguous 1-D buffer of n one-byte flags (numpy bool or uint8). */
+static int get_flags(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
+        PyErr_SetString(PyExc_TypeError, "valid must be a C-contiguous writable buffer");
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@' || *fmt == '|') fmt++;
+    if (view->itemsize != 1 || view->ndim != 1 || view->shape[0] != n ||
+        !(*fmt == '?' || *fmt == 'B' || *fmt == 'b')) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "valid must be a 1-D bool array with one entry per node");
+        return -1;
+    }
+    return 0;
 }
 
 /* Parse the arguments shared by repair_rows and keep_rows; on success every buffer is held. */
@@ -235,15 +259,25 @@ fail_rows:
 }
 
 static PyObject *repair_rows(PyObject *self, PyObject *args) {
-    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj;
+    PyObject *rows_obj, *nt_obj, *ns_obj, *dt_obj, *stops_obj, *valid_obj = Py_None;
     RowArgs a;
-    if (!PyArg_ParseTuple(args, "OOOOLOi", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &a.limit,
-                          &stops_obj, &a.root_ok))
+    if (!PyArg_ParseTuple(args, "OOOOLOi|O", &rows_obj, &nt_obj, &ns_obj, &dt_obj, &a.limit,
+                          &stops_obj, &a.root_ok, &valid_obj))
         return NULL;
     if (parse_row_args(rows_obj, nt_obj, ns_obj, dt_obj, stops_obj, 1, &a) != 0) return NULL;
     Py_ssize_t n = a.rows.shape[0], words = a.rows.shape[1];
+    Py_buffer valid_view;
+    uint8_t *valid = NULL;
+    if (valid_obj != Py_None) {
+        if (get_flags(valid_obj, &valid_view, n) != 0) {
+            release_row_args(&a);
+            return NULL;
+        }
+        valid = (uint8_t *)valid_view.buf;
+    }
     void *scratch = malloc((size_t)n * (sizeof(int32_t) + 1));
     if (scratch == NULL) {
+        if (valid != NULL) PyBuffer_Release(&valid_view);
         release_row_args(&a);
         return PyErr_NoMemory();
     }
@@ -254,11 +288,12 @@ static PyObject *repair_rows(PyObject *self, PyObject *args) {
     int32_t *mask = (int32_t *)a.rows.buf;
     kept = decide_rows(mask, n, words, (const int64_t *)a.nt.buf, (const int64_t *)a.ns.buf,
                        (const int64_t *)a.dt.buf, a.limit, (const int64_t *)a.stops.buf,
-                       a.stops.shape[0], a.root_ok, queue, keep, &checked, &rejected);
+                       a.stops.shape[0], a.root_ok, queue, keep, valid, &checked, &rejected);
     for (Py_ssize_t v = 0; v < n; v++)
         if (!keep[v]) memset(mask + v * words, 0xff, sizeof(int32_t) * (size_t)words);
     Py_END_ALLOW_THREADS
     free(scratch);
+    if (valid != NULL) PyBuffer_Release(&valid_view);
     release_row_args(&a);
     return Py_BuildValue("nnn", kept, checked, rejected);
 }
@@ -295,7 +330,7 @@ static PyObject *keep_rows(PyObject *self, PyObject *args) {
     kept = decide_rows((const int32_t *)a.rows.buf, n, words, (const int64_t *)a.nt.buf,
                        (const int64_t *)a.ns.buf, (const int64_t *)a.dt.buf, a.limit,
                        (const int64_t *)a.stops.buf, a.stops.shape[0], a.root_ok, queue, keep,
-                       &checked, &rejected);
+                       NULL, &checked, &rejected);
     int32_t *dest = (int32_t *)out.buf;
     Py_ssize_t k = 0;
     for (Py_ssize_t v = 0; v < n; v++)
@@ -415,4 +450,12 @@ static struct PyModuleDef module = {
     "GIL-free index work of the mask build (link validation, row repair, row copies).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* repair_rows takes the optional `valid` output (older builds of this module do not) */
+    if (m != NULL && PyModule_AddIntConstant(m, "REPAIR_VALID", 1) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -54,6 +54,12 @@ PARALLEL_MIN_NODES = 48
 # replays and waking a worker cost tens of microseconds, so only big trees gain.
 SPLIT_MIN_NODES = 256
 SPLIT_MIN_PART = 16
+# Chains up to INLINE_CHAIN_NODES nodes per request stay on the calling thread up to
+# SHORT_CHAIN_FACTOR times more rows: each request's GIL-free work (its K + 1 rows) is too
+# short for a second thread to gain, workers would mostly wait for the GIL (measured with 1
+# to 8 drafts, batch 8 to 256: the pool was slower in every configuration).
+INLINE_CHAIN_NODES = 9
+SHORT_CHAIN_FACTOR = 64
 
 _scratch = threading.local()
 
@@ -63,6 +69,8 @@ LAYOUTS = ("dense", "compact")
 
 def check_vocab_size(vocab_size: Any) -> int:
     """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
+    if type(vocab_size) is int and vocab_size > 0:  # the common case, without an ABC check
+        return vocab_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     vocab_size = int(vocab_size)
@@ -233,6 +241,8 @@ def build_host_bitmask(
     rows = tree.rows
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
     started = perf_counter()
+    if _inline(kinds, constrained, tree, return_valid):
+        return _build_inline(grammars, kinds, infos, tree, mask, vocab_size, return_valid, started)
     next_token, next_sibling, draft = tree.resolve()
     resolved = perf_counter()
     tree.validate()
@@ -240,11 +250,20 @@ def build_host_bitmask(
     root_ok = np.ones(batch, dtype=bool)
     # per request: draft nodes checked against the grammar, and those it refused
     counts = np.zeros((batch, 2), dtype=np.int64)
-    # rows of accepted, non-terminated nodes (only when asked: return_valid)
-    live = np.zeros(rows, dtype=bool) if return_valid else None
     splits = {}
-    if not packed:
+    if not packed and nodes >= SPLIT_MIN_NODES:
         splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
+    # return_valid: written by the jobs themselves when every request is an xgrammar one
+    # repaired in its job (the compiled helper) or unconstrained on a chain (every node
+    # reached); else derived after the walks from ``live``, the rows of accepted,
+    # non-terminated nodes.
+    accepted = live = None
+    if return_valid:
+        if _jobs_write_valid(kinds, splits, tree):
+            accepted = np.empty(rows, dtype=bool)
+        else:
+            live = np.zeros(rows, dtype=bool)
+    spans = tree.spans()
     jobs, owners = _make_jobs(
         grammars,
         kinds,
@@ -257,9 +276,13 @@ def build_host_bitmask(
         vocab_size,
         tree.is_chain,
         live,
-        tree.spans(),
+        spans,
+        accepted,
     )
-    parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
+    constrained_rows = len(constrained) * nodes
+    if packed:
+        constrained_rows = sum(spans[b][1] for b in constrained)
+    parallel = bool(splits) or constrained_rows >= PARALLEL_MIN_NODES
     seconds = run_jobs(jobs, owners, parallel)
     # Rows of xgrammar requests not already repaired inside their job (no compiled helper,
     # or a request split over several walks) are repaired here, vectorized over the batch.
@@ -274,8 +297,117 @@ def build_host_bitmask(
     valid = None
     if live is not None:
         valid = _valid_nodes(mask, tree, draft, kinds, infos, root_ok, vocab_size, live)
+    elif accepted is not None:
+        valid = accepted if packed else accepted.reshape(batch, nodes)
     account(constrained, owners, seconds, counts, rows, (started, resolved))
     return mask if valid is None else (mask, valid)
+
+
+def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:
+    """Whether a build is small and simple enough for :func:`_build_inline`: the compiled
+    helper, few rows or short chains (no pool), no tree big enough to split, xgrammar
+    requests only (and unconstrained ones, on chains when the valid flags are asked for)."""
+    if compiled.native is None or tree.nodes >= SPLIT_MIN_NODES:
+        return False
+    if valid and not _repair_writes_valid():
+        return False
+    chains = tree.is_chain or tree.is_packed
+    limit = PARALLEL_MIN_NODES
+    if chains and tree.nodes <= INLINE_CHAIN_NODES:
+        limit *= SHORT_CHAIN_FACTOR
+    if len(constrained) * tree.nodes >= limit:
+        return False
+    allowed = (XGRAMMAR, NONE) if chains or not valid else (XGRAMMAR,)
+    return set(kinds).issubset(allowed)
+
+
+def _build_inline(
+    grammars: Sequence[Any],
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    tree: GrammarTree,
+    mask: np.ndarray,
+    vocab_size: int,
+    return_valid: bool,
+    started: float,
+) -> Any:
+    """The build of a small batch of xgrammar requests on the calling thread, request after
+    request: the C++ traversal, then the compiled repair writing the counts and valid flags
+    (both release the GIL); no job objects, no pool, no pass over the mask afterwards. Same
+    result, checks and accounting as the general path."""
+    next_token, next_sibling, draft = tree.resolve()
+    resolved = perf_counter()
+    tree.validate()
+    spans = tree.spans()
+    accepted = np.empty(tree.rows, dtype=bool) if return_valid else None
+    repair = compiled.native.repair_rows  # type: ignore[union-attr]
+    words = mask.shape[1]
+    walks = []
+    checked = rejected = 0
+    full = tree.nodes
+    began = perf_counter()
+    for b, kind in enumerate(kinds):
+        start, n = spans[b]
+        block = mask[start : start + n]
+        flags = None if accepted is None else accepted[start : start + n]
+        if kind == NONE:
+            block.fill(ALL_ALLOWED)
+            if flags is not None:
+                flags.fill(True)
+            continue
+        info: MatcherInfo = infos[b]  # type: ignore[assignment]
+        if n == full:
+            nt, ns, dt = next_token[b], next_sibling[b], draft[b]
+        else:
+            nt, ns, dt = next_token[b, :n], next_sibling[b, :n], draft[b, :n]
+        try:
+            target = block if info.words == words else _scratch_rows(n, info.words)
+            live = int(walk_xgrammar(grammars[b], nt, ns, dt, target))
+            if target is not block:
+                _copy_rows(block, target, info.words, None)
+            limit = min(vocab_size, info.vocab_size)
+            if flags is None:
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live)
+            else:
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live, flags)
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
+        checked += c
+        rejected += r
+        ended = perf_counter()
+        walks.append((b, ended - began))
+        began = ended
+    record_build(
+        walks,
+        tree.rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)
+
+
+def _jobs_write_valid(kinds: list[int], splits: dict[int, Any], tree: GrammarTree) -> bool:
+    """Whether the jobs can write ``return_valid``'s flags themselves (see the build)."""
+    if compiled.native is None or splits or not _repair_writes_valid():
+        return False
+    allowed = (XGRAMMAR, NONE) if tree.is_chain or tree.is_packed else (XGRAMMAR,)
+    return set(kinds).issubset(allowed)
+
+
+def _repair_writes_valid() -> bool:
+    """Whether the compiled helper's ``repair_rows`` takes the ``valid`` output (a build of
+    the helper older than the library's sources does not: the numpy pass is used then)."""
+    return bool(getattr(compiled.native, "REPAIR_VALID", 0))
+
+
+def _allow_all(block: np.ndarray, accepted: np.ndarray) -> None:
+    """An unconstrained chain request: every row all-allowed, every node accepted."""
+    block.fill(ALL_ALLOWED)
+    accepted.fill(True)
 
 
 def run_jobs(jobs: list[Callable[[], None]], owners: list[int], parallel: bool) -> list[float]:
@@ -283,6 +415,18 @@ def run_jobs(jobs: list[Callable[[], None]], owners: list[int], parallel: bool) 
     each one's seconds; a failing job raises :class:`MatcherError` naming its request
     (``owners[i]`` for job ``i``, unless the job named it itself)."""
     seconds = [0.0] * len(jobs)
+    if not parallel or len(jobs) == 1:  # inline on the calling thread, no pool hand-off
+        for i, job in enumerate(jobs):
+            start = perf_counter()
+            try:
+                job()
+            except MatcherError as exc:  # a batch-wide job named its request
+                raise exc from exc.error
+            except BaseException as exc:
+                raise MatcherError(owners[i], exc) from exc
+            finally:
+                seconds[i] = perf_counter() - start
+        return seconds
 
     def run_job(i: int) -> None:
         start = perf_counter()
@@ -315,7 +459,11 @@ def account(
     for owner, spent in zip(owners, seconds, strict=True):
         if owner in per_request:
             per_request[owner] += spent
-    checked, rejected = (int(n) for n in counts.sum(axis=0))
+    if len(counts) <= 16:  # a few numbers: cheaper in Python than a numpy reduction
+        pairs = counts.tolist()
+        checked, rejected = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    else:
+        checked, rejected = (int(n) for n in counts.sum(axis=0))
     started, resolved = times
     record_build(
         per_request.items(),
@@ -340,6 +488,7 @@ def _make_jobs(
     chains: bool,
     live: np.ndarray | None,
     spans: list[tuple[int, int]],
+    accepted: np.ndarray | None = None,
 ) -> tuple[list[Callable[[], None]], list[int]]:
     """One job per request (several for a split request), one job for all requests walked in
     Python, one per llguidance width for chains; and the (first) request of each job.
@@ -347,7 +496,8 @@ def _make_jobs(
     Jobs that decide which nodes the grammar accepts write ``counts[b]`` (draft nodes
     checked, refused); the others leave it to the row repair after the walks. Request ``b``'s
     rows are ``mask[start:start + n]`` for ``(start, n) = spans[b]``, its nodes the first ``n``
-    of its links."""
+    of its links. ``accepted`` (flat bool ``[rows]``, see :func:`_jobs_write_valid`) receives
+    which nodes the grammars accept, written by the jobs."""
     next_token, next_sibling, draft = arrays
     jobs: list[Callable[[], None]] = []
     owners: list[int] = []
@@ -365,7 +515,9 @@ def _make_jobs(
         start, n = spans[b]
         block = mask[start : start + n]
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        if kind == NONE:
+        if kind == NONE and accepted is not None:
+            jobs.append(partial(_allow_all, block, accepted[start : start + n]))
+        elif kind == NONE:
             jobs.append(partial(block.fill, ALL_ALLOWED))
         elif kind == LLGUIDANCE and chains:
             continue
@@ -389,7 +541,8 @@ def _make_jobs(
             if compiled.native is not None:
                 limit = min(vocab_size, info.vocab_size)
                 job = partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit)
-                jobs.append(partial(job, counts[b], root_ok, b))
+                flags = None if accepted is None else accepted[start : start + n]
+                jobs.append(partial(job, counts[b], root_ok, b, flags))
             else:
                 job = partial(_xgrammar_job, grammars[b], links, block, info, root_ok, b, None)
                 jobs.append(job)
@@ -446,16 +599,21 @@ def _xgrammar_repaired_job(
     counts: np.ndarray,
     root_ok: np.ndarray,
     b: int,
+    accepted: np.ndarray | None = None,
 ) -> None:
     """Walk one request with xgrammar's C++ traversal, then repair its rows in place with the
-    compiled helper (both release the GIL); store its (checked, refused) node counts."""
+    compiled helper (both release the GIL); store its (checked, refused) node counts, and
+    which nodes the grammar accepts into ``accepted`` (its ``[nodes]`` flags) if given."""
     nodes, words = block.shape
     target = block if info.words == words else _scratch_rows(nodes, info.words)
     live = root_ok[b] = walk_xgrammar(matcher, *links, target)
     if target is not block:
         _copy_rows(block, target, info.words, None)
     repair = compiled.native.repair_rows  # type: ignore[union-attr]
-    _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
+    if accepted is None:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
+    else:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live), accepted)
 
 
 def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, limit: int) -> None:
@@ -760,20 +918,34 @@ def per_node(tree: GrammarTree, padded: np.ndarray) -> np.ndarray:
     if not tree.is_packed:
         return grid.copy()
     lengths = np.diff(tree.offsets)
-    return grid[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+    flags = np.zeros(tree.rows, dtype=bool)
+    flags[_positions(tree)] = grid[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+    return flags
+
+
+def _positions(tree: GrammarTree) -> np.ndarray:
+    """Packed chains: the mask row of each packed node (its index among ``tokens`` for
+    trees of :meth:`GrammarTree.from_packed_chains`; the rows of their spans in general)."""
+    offsets = tree.offsets
+    assert offsets is not None
+    starts = np.array([start for start, _ in tree.spans()], dtype=np.int64)
+    return np.arange(int(offsets[-1]), dtype=np.int64) + np.repeat(
+        starts - offsets[:-1], np.diff(offsets)
+    )
 
 
 def _packed_rows(tree: GrammarTree, draft: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Packed chains, per row: ``(request, parent row or -1, token, first rows)``."""
+    """Packed chains, per packed node: ``(request, parent node or -1, token, first nodes,
+    mask row)``."""
     offsets = tree.offsets
     assert offsets is not None
     starts = offsets[:-1]
     lengths = np.diff(offsets)
     request = np.repeat(np.arange(tree.batch), lengths)
-    parent = np.arange(-1, tree.rows - 1, dtype=np.int64)
+    parent = np.arange(-1, int(offsets[-1]) - 1, dtype=np.int64)
     parent[starts] = -1
     tokens = draft[np.arange(tree.nodes)[None, :] < lengths[:, None]]
-    return request, parent, tokens, starts
+    return request, parent, tokens, starts, _positions(tree)
 
 
 def _rewrite_packed(
@@ -790,7 +962,7 @@ def _rewrite_packed(
     """The row repair of packed chains (each row's parent is the row before it): the local
     test per row, ANDed along each chain by a running count of failures. Returns which rows
     (of ``requests``) keep a grammar row; ``write=False`` only says so."""
-    request, parent, tokens, starts = _packed_rows(tree, draft)
+    request, parent, tokens, starts, position = _packed_rows(tree, draft)
     words = mask.shape[1]
     selected = np.zeros(tree.batch, dtype=bool)
     selected[requests] = True
@@ -801,7 +973,8 @@ def _rewrite_packed(
     in_range = (tokens >= 0) & (tokens < limit)
     safe = np.where(in_range, tokens, 0)
     has_parent = parent >= 0
-    word = mask.reshape(-1)[np.where(has_parent, parent, 0) * words + (safe >> 5)]
+    parent_row = position[np.where(has_parent, parent, 0)]
+    word = mask.reshape(-1)[parent_row * words + (safe >> 5)]
     allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range & has_parent
     local = allowed.copy()
     for b in requests:
@@ -822,7 +995,7 @@ def _rewrite_packed(
     if write:
         rewrite = np.flatnonzero(selected[request] & ~keep)
         if rewrite.size:
-            mask[rewrite] = ALL_ALLOWED
+            mask[position[rewrite]] = ALL_ALLOWED
     return keep
 
 
@@ -836,8 +1009,8 @@ def _valid_packed(
     vocab_size: int,
     live: np.ndarray,
 ) -> np.ndarray:
-    """:func:`_valid_nodes` for packed chains: flat bool ``[rows]``."""
-    request, parent, tokens, starts = _packed_rows(tree, draft)
+    """:func:`_valid_nodes` for packed chains: flat bool ``[rows]`` (mask rows; ``live`` too)."""
+    request, parent, tokens, starts, position = _packed_rows(tree, draft)
     is_kind = np.asarray(kinds)[request]
     xgrammar = [b for b, kind in enumerate(kinds) if kind == XGRAMMAR]
     if xgrammar:
@@ -846,13 +1019,16 @@ def _valid_packed(
             mask, tree, draft, infos, root_ok, vocab_size, xgrammar, scratch, False
         )
         rows = is_kind == XGRAMMAR
-        live[rows] = kept[rows]
+        live[position[rows]] = kept[rows]
     has_parent = parent >= 0
     in_range = (tokens >= 0) & (tokens < vocab_size)
     safe = np.where(in_range, tokens, 0)
-    word = mask[np.where(has_parent, parent, 0), safe >> 5]
+    parent_row = position[np.where(has_parent, parent, 0)]
+    word = mask[parent_row, safe >> 5]
     allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range
-    valid = has_parent & live[np.where(has_parent, parent, 0)] & allowed
+    valid = has_parent & live[parent_row] & allowed
     valid[starts] = True
     valid[is_kind == NONE] = True
-    return valid
+    flags = np.zeros(tree.rows, dtype=bool)
+    flags[position] = valid
+    return flags

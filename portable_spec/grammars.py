@@ -105,7 +105,9 @@ def classify_grammars(
     Raises ``TypeError``/``ValueError`` naming the offending entry before any matcher moves.
     Nothing here changes a matcher's state.
     """
-    if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
+    if type(grammars) not in (list, tuple) and (
+        isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence)
+    ):
         raise TypeError(
             f"grammars must be a sequence with one entry per request, got {type(grammars).__name__}"
         )

@@ -13,6 +13,10 @@ three steps, all through :func:`portable_spec.build_host_bitmask`:
    starting state (for a content end token, the token itself is the grammar's first), in
    rounds with at most one sub-tree per matcher; the rows are copied into place.
 
+Chains (linear or packed) take one build instead: the free-text rows are written while a
+chain reasons, and the rest of each chain below the node that ends the reasoning is built
+together with the other requests' chains, in place.
+
 Every check runs before any matcher moves; matchers end where they started.
 """
 
@@ -174,6 +178,11 @@ def build_with_reasoning(
     classify_grammars(grammars, tree.batch, vocab_size)
     next_token, next_sibling, draft = tree.resolve()
     tree.validate()
+    if tree.is_chain or tree.is_packed:
+        return _chains_with_reasoning(
+            build, grammars, tree, vocab_size, words, checked, reasoning_requests, out,
+            return_valid,
+        )  # fmt: skip
 
     rest = [None if b in reasoning_requests else g for b, g in enumerate(grammars)]
     mask, valid = build(rest, tree, vocab_size, out=out, return_valid=True)
@@ -195,6 +204,99 @@ def build_with_reasoning(
         subtrees.append(found)
     _build_subtrees(build, grammars, subtrees, mask, flat_valid, spans, vocab_size)
     return (mask, valid) if return_valid else mask
+
+
+def _chains_with_reasoning(
+    build: Any,
+    grammars: Sequence[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    words: int,
+    checked: _Checked,
+    thinking: list[int],
+    out: np.ndarray | None,
+    return_valid: bool,
+) -> Any:
+    """The reasoning rule on chains (linear or packed) in one build: each reasoning request's
+    free-text rows are written while its chain reasons; where an end token ends the reasoning,
+    the rest of the chain becomes a grammar chain of its matcher (from the end token's node,
+    or, for a content end token, from the node before it, whose free-text row is put back
+    afterwards). Those chains and the other requests' chains are built together, in place."""
+    _, _, draft = tree.resolve()
+    rows = tree.rows
+    mask = np.empty((rows, words), dtype=np.int32) if out is None else out
+    valid = np.zeros(rows, dtype=bool)
+    firsts = _free_rows(build, [grammars[b] for b in thinking], checked, vocab_size, words)
+    frees = dict(zip(thinking, firsts, strict=True))
+    flat: list[int] = []
+    lengths: list[int] = []
+    starts: list[int] = []
+    owners: list[int] = []
+    restore: list[tuple[int, np.ndarray]] = []  # free-text rows a grammar chain's root covers
+    for b, (start, n) in enumerate(tree.spans()):
+        if grammars[b] is None:
+            mask[start : start + n] = ALL_ALLOWED
+            valid[start : start + n] = True
+            continue
+        tokens = draft[b, :n].tolist()
+        free = frees.get(b)
+        if free is None:  # answering: its whole chain
+            head = 0
+        else:
+            head = _reason_along(tokens, free, checked, vocab_size, mask, valid, start)
+            if head < 0:
+                continue
+            if head < n and tokens[head] in checked.content_ends:
+                head -= 1  # the node before: a start the grammar's first token hangs below
+                restore.append((start + head, free))
+        flat.extend(tokens[head:])
+        lengths.append(n - head)
+        starts.append(start + head)
+        owners.append(b)
+    if owners:
+        placed = GrammarTree._placed_chains(np.array(flat, dtype=np.int64), lengths, starts, rows)
+        try:
+            _, accepted = build(
+                [grammars[b] for b in owners], placed, vocab_size, out=mask, return_valid=True
+            )
+        except MatcherError as exc:
+            raise MatcherError(owners[exc.request_index], exc.error) from exc.error
+        for start, length in zip(starts, lengths, strict=True):
+            valid[start : start + length] = accepted[start : start + length]
+        for row, free in restore:
+            mask[row] = free
+            valid[row] = True
+    if not return_valid:
+        return mask
+    return mask, valid if tree.is_packed else valid.reshape(tree.batch, tree.nodes)
+
+
+def _reason_along(
+    tokens: list[int],
+    free: np.ndarray,
+    checked: _Checked,
+    vocab_size: int,
+    mask: np.ndarray,
+    valid: np.ndarray,
+    start: int,
+) -> int:
+    """Walk a reasoning chain (``tokens``, its rows from ``start``): free-text rows and valid
+    flags while it reasons. Returns the node whose token ends the reasoning (the grammar's
+    part starts there), or -1 when the chain ends or a token is refused first (the rows left
+    are all-allowed, their nodes not valid)."""
+    n = len(tokens)
+    mask[start] = free
+    valid[start] = True
+    for j in range(1, n):
+        token = tokens[j]
+        if not (0 <= token < vocab_size and (int(free[token >> 5]) >> (token & 31)) & 1):
+            mask[start + j : start + n] = ALL_ALLOWED
+            return -1
+        valid[start + j] = True
+        if token in checked.ends or token in checked.content_ends:
+            return j
+        mask[start + j] = free
+    return -1
 
 
 # A reasoning matcher stands at its start state (it has consumed nothing of the answer), so

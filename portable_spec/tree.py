@@ -8,6 +8,7 @@ work overlap the forward.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,7 @@ class GrammarTree:
         backend: Backend,
         chain: bool,
         device: Any = None,
-        offsets: np.ndarray | None = None,
+        offsets: _PackedLayout | None = None,
         rows: int | None = None,
     ) -> None:
         # (positions among the tree's arrays, the handle that stages them)
@@ -124,7 +125,7 @@ class GrammarTree:
         self._valid = chain or self._packed  # chains are valid by construction
         self._backend = backend
         self._chain = chain
-        # packed chains: int64 [batch + 1] row offsets (None until resolved if staged)
+        # packed chains: their checked row layout (None until resolved if staged)
         self._offsets = offsets
         self.batch = batch
         #: nodes per request; packed chains: the longest chain's (0 until the tree is resolved
@@ -215,6 +216,15 @@ class GrammarTree:
         """
         if isinstance(draft_tokens, (list, tuple)):
             draft_tokens = np.asarray(draft_tokens, dtype=np.int64)
+        if (
+            type(draft_tokens) is np.ndarray
+            and draft_tokens.ndim == 2
+            and draft_tokens.dtype.kind in "iu"
+            and draft_tokens.shape[1] >= 1
+        ):  # the common host case in a few attribute reads (no framework look-up)
+            batch, nodes = draft_tokens.shape
+            host = get_backend("numpy")
+            return cls([([2], _Ready([draft_tokens]))], batch, nodes, host, chain=True)
         backend = backend_for(draft_tokens)
         info = _info("draft_tokens", draft_tokens, backend)
         batch, nodes = _check_shapes([info], ["draft_tokens"])
@@ -250,6 +260,19 @@ class GrammarTree:
         """
         if isinstance(tokens, (list, tuple)):
             tokens = np.asarray(tokens, dtype=np.int64)
+        if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+            host = _host_offsets(offsets)
+            if host is not None:  # the common host case: no framework look-up
+                layout = _packed_layout(host, tokens.shape[0])
+                return cls(
+                    [([2], _Ready([tokens]))],
+                    layout.batch,
+                    layout.nodes,
+                    get_backend("numpy"),
+                    False,
+                    offsets=layout,
+                    rows=tokens.shape[0],
+                )
         backend = backend_for(tokens)
         info = _info("tokens", tokens, backend)
         if len(info.shape) != 1:
@@ -261,19 +284,34 @@ class GrammarTree:
             shape = _info("offsets", offsets, offsets_backend).shape
             if len(shape) != 1 or shape[0] < 1:
                 raise ValueError(f"offsets must be 1-D [batch + 1], got shape {shape}")
-            batch, nodes = shape[0] - 1, 0
+            batch, nodes, layout = shape[0] - 1, 0, None
             arrays, backends = (tokens, offsets), [backend, offsets_backend]
             staged = []
             for each in dict.fromkeys(backends):
                 picked = [i for i, b in enumerate(backends) if b is each]
                 staged.append(([2 + i for i in picked], each.stage([arrays[i] for i in picked])))
         else:
-            host = _check_offsets(host, rows)
-            batch = len(host) - 1
-            nodes = int(np.diff(host).max()) if batch else 1
+            layout = _packed_layout(host, rows)
+            batch, nodes = layout.batch, layout.nodes
             staged = [([2], backend.stage([tokens]))]
         device = backend.device_of(tokens)
-        return cls(staged, batch, nodes, backend, False, device=device, offsets=host, rows=rows)
+        return cls(staged, batch, nodes, backend, False, device=device, offsets=layout, rows=rows)
+
+    @classmethod
+    def _placed_chains(
+        cls, tokens: np.ndarray, lengths: list[int], starts: list[int], rows: int
+    ) -> GrammarTree:
+        """Internal: packed chains (int64 host ``tokens``, one chain per entry of ``lengths``)
+        whose mask rows start at ``starts`` inside a mask of ``rows`` rows (ranges disjoint,
+        in bounds; rows outside them are neither written nor flagged by a build)."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        offsets.flags.writeable = False
+        layout = _PackedLayout(offsets, starts)
+        tree = cls([([2], _Ready([tokens]))], layout.batch, layout.nodes, get_backend("numpy"),
+                   False, offsets=layout, rows=int(offsets[-1]))  # fmt: skip
+        tree.rows = rows
+        return tree
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -296,7 +334,7 @@ class GrammarTree:
         """Packed chains (:meth:`from_packed_chains`): the int64 ``[batch + 1]`` row offsets
         (read-only; ``None`` until :meth:`resolve` when staged from a device); ``None`` for
         ``[batch, nodes]`` trees."""
-        return self._offsets
+        return None if self._offsets is None else self._offsets.offsets
 
     def spans(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, nodes)``: where its rows lie in the dense mask (resolves
@@ -306,9 +344,7 @@ class GrammarTree:
         if self._offsets is None:
             self.resolve()
         assert self._offsets is not None
-        starts = self._offsets[:-1].tolist()
-        ends = self._offsets[1:].tolist()
-        return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+        return self._offsets.spans
 
     def resolve(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for the staged copy (only if there is one) and return the host arrays.
@@ -328,17 +364,15 @@ class GrammarTree:
             for positions, staged in self._staged:
                 for position, host in zip(positions, staged.resolve(), strict=True):
                     if position == 3:  # packed chains' offsets, staged from a device
-                        slots[3] = _check_offsets(host, self.rows)
+                        self._offsets = _packed_layout(host, self.rows)
+                        self.nodes = self._offsets.nodes
                     elif self._packed:
-                        slots[position] = as_int64(host, (self.rows,))
+                        slots[position] = as_int64(host, (-1,))
                     else:
                         slots[position] = as_int64(host, shape)
             if self._packed:
-                if self._offsets is None:
-                    self._offsets = offsets = slots[3]
-                    self.nodes = int(np.diff(offsets).max()) if self.batch else 1
-                links = _padded_chains(self._offsets, self.nodes, slots[2])
-                slots[0], slots[1], slots[2] = links
+                assert self._offsets is not None
+                slots[0], slots[1], slots[2] = self._offsets.padded(slots[2])
             elif self._chain:
                 slots[0], slots[1] = _chain_links(self.batch, self.nodes)
             self._arrays = tuple(slots[:3])  # type: ignore[assignment]
@@ -466,17 +500,51 @@ def _check_offsets(offsets: np.ndarray, rows: int) -> np.ndarray:
     return host
 
 
-def _padded_chains(
-    offsets: np.ndarray, nodes: int, tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Packed chain tokens ``[rows]`` -> chain links and tokens padded to ``[batch, nodes]``
-    (nodes past a request's length: no link reaches them, token 0)."""
-    batch = len(offsets) - 1
-    lengths = np.diff(offsets)
-    column = np.arange(nodes, dtype=np.int64)
-    inside = column[None, :] < lengths[:, None]
-    draft = np.zeros((batch, nodes), dtype=np.int64)
-    draft[inside] = tokens
-    next_token = np.where(column[None, :] + 1 < lengths[:, None], column + 1, -1)
-    next_sibling = np.full((batch, nodes), -1, dtype=np.int64)
-    return np.ascontiguousarray(next_token, dtype=np.int64), next_sibling, draft
+class _PackedLayout:
+    """The checked row layout of packed chains, shared by every tree with the same offsets:
+    spans, the longest chain, the chain links padded to ``[batch, nodes]`` (read-only)."""
+
+    __slots__ = ("batch", "inside", "next_sibling", "next_token", "nodes", "offsets", "spans")
+
+    def __init__(self, offsets: np.ndarray, starts: list[int] | None = None) -> None:
+        self.offsets = offsets
+        bounds = offsets.tolist()
+        lengths = [e - s for s, e in itertools.pairwise(bounds)]
+        self.batch = len(lengths)
+        self.nodes = max(lengths, default=1)
+        self.spans = list(zip(bounds[:-1] if starts is None else starts, lengths, strict=True))
+        column = np.arange(self.nodes, dtype=np.int64)
+        length = np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
+        # None when every chain has the same length (the tokens are the grid as they are)
+        self.inside = None if min(lengths, default=0) == self.nodes else column < length
+        next_token = np.where(column + 1 < length, column + 1, -1).astype(np.int64)
+        self.next_token = np.ascontiguousarray(next_token.reshape(self.batch, self.nodes))
+        self.next_sibling = np.full((self.batch, self.nodes), -1, dtype=np.int64)
+
+    def padded(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Packed int64 tokens ``[rows]`` (a private copy) -> ``(next_token, next_sibling,
+        draft)`` padded to ``[batch, nodes]`` (nodes past a chain: unreached, token 0)."""
+        if self.inside is None:
+            draft = tokens.reshape(self.batch, self.nodes)
+        else:
+            draft = np.zeros((self.batch, self.nodes), dtype=np.int64)
+            draft[self.inside] = tokens
+        return self.next_token, self.next_sibling, draft
+
+
+_packed_cache: dict[bytes, _PackedLayout] = {}
+
+
+def _packed_layout(host: np.ndarray, rows: int) -> _PackedLayout:
+    """The layout of host offsets, checked (see :func:`_check_offsets`) the first time these
+    offsets are seen; cached by their bytes."""
+    usable = host.ndim == 1 and host.dtype.kind in "iu"
+    key = host.dtype.str.encode() + host.tobytes() if usable else None
+    layout = None if key is None else _packed_cache.get(key)
+    if layout is None or int(layout.offsets[-1]) != rows:
+        layout = _PackedLayout(_check_offsets(host, rows))
+        if key is not None:
+            if len(_packed_cache) > 256:
+                _packed_cache.clear()
+            _packed_cache[key] = layout
+    return layout

@@ -208,3 +208,45 @@ def test_chain_reasoning_option_is_checked(value):
     with pytest.raises(SystemExit):
         parse_args(["--chain-reasoning", value])
     assert parse_args(["--chain-reasoning", "0,0.25"]).chain_reasoning == (0.0, 0.25)
+
+
+def test_percall_section(quick_run):
+    """One batch-1 call, phase by phase, warm and with the caches evicted."""
+    from portable_spec.bench.percall import PERCALL_PHASES
+
+    payload, _, stdout = quick_run
+    records = payload["percall"]
+    assert [r["regime"] for r in records] == ["warm", "cold"]
+    for r in records:
+        assert (r["k"], r["batch"]) == (1, 1) and r["rounds"] >= 3
+        assert set(r["us"]) == set(PERCALL_PHASES)
+        assert all(_finite_positive(v) for v in r["us"].values()), r
+        assert r["overhead_us"] == r["us"]["build"] - r["us"]["engine_walk"]
+    assert "## One call, batch 1, K=1" in stdout
+
+
+def test_per_call_targets_are_decided_by_the_records():
+    """The targets table reads the sections' records: each bound applied to every
+    configuration it names, a geomean target to the geomean, missing records: not run."""
+    from portable_spec.bench.percall import issue_targets
+
+    def chain(k, batch, share, ratio):
+        return {"k": k, "batch": batch, "pool_reasoning_share": share,
+                "speedup": {"serial_fill": ratio, "validate_fill": ratio}}  # fmt: skip
+
+    runs = {
+        "chains": [chain(1, 1, 0.0, 0.9), chain(1, 8, 0.0, 3.0), chain(1, 1, 0.5, 0.7)],
+        "percall": [
+            {"regime": "warm", "k": 1, "overhead_us": 9.0, "overhead_packed_us": 11.0},
+            {"regime": "cold", "k": 1, "overhead_us": 39.0, "overhead_packed_us": 30.0},
+        ],
+    }
+    targets = {t.name: t for t in issue_targets(runs)}
+    assert targets["vLLM chains, no reasoning: / serial fill, every config"].met is True
+    assert targets["vLLM chains, no reasoning: / serial fill, batch >= 8"].met is True
+    geo = targets["vLLM chains, no reasoning: / serial fill, geomean"]
+    assert geo.met is True and abs(geo.ratios[0][1] - (0.9 * 3.0) ** 0.5) < 1e-9
+    assert targets["vLLM chains, half reasoning: / serial fill, every config"].met is False
+    assert targets["fixed cost bs1 K=1, warm: build - engine walk (µs)"].met is False
+    assert targets["fixed cost bs1 K=1, cold: build - engine walk (µs)"].met is True
+    assert targets["llguidance trees: / its own loop"].met is None  # not run

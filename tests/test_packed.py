@@ -73,16 +73,17 @@ def _draw_chain(data, request, vocab, vocab_size, length):
     return tokens
 
 
-def _draw_packed(data, smollm2, engines, max_length=8):
-    """A drawn batch (grammars with prefixes, some unconstrained) and ragged chains:
-    ``(case, chains, tokens, offsets)``."""
+def _draw_packed(data, smollm2, engines, max_length=8, uniform=False):
+    """A drawn batch (grammars with prefixes, some unconstrained) and ragged chains (of one
+    length with ``uniform``): ``(case, chains, tokens, offsets)``."""
     make, kinds = _factory(smollm2, engines)
     case = draw_case(
         data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=1, max_batch=5
     )
     chains = []
+    same = data.draw(st.integers(1, max_length), label="uniform length")
     for request in case.requests:
-        length = data.draw(st.integers(1, max_length), label="chain length")
+        length = same if uniform else data.draw(st.integers(1, max_length), label="length")
         chains.append(_draw_chain(data, request, smollm2, case.vocab_size, length))
     offsets = np.cumsum([0, *map(len, chains)]).astype(np.int64)
     tokens = np.array([t for chain in chains for t in chain], dtype=np.int64)
@@ -139,11 +140,14 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
 
 
 @pytest.mark.parametrize("engines", [("xgrammar",), ENGINES])
+@pytest.mark.parametrize("layout", ["packed", "linear"])
 @SETTINGS
 @given(data=st.data())
-def test_reasoning_matches_oracle(smollm2, engines, data):
-    """reasoning= over packed chains equals the reasoning replay of each chain."""
-    case, chains, tokens, offsets = _draw_packed(data, smollm2, engines)
+def test_reasoning_matches_oracle(smollm2, engines, layout, builder_mode, data, monkeypatch):
+    """reasoning= over packed chains (and linear chains of one length) equals the reasoning
+    replay of each chain, inline or through the pool, matchers restored."""
+    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    case, chains, tokens, offsets = _draw_packed(data, smollm2, engines, uniform=layout == "linear")
     seen = sorted({int(t) for c in chains for t in c[1:] if 0 <= t < smollm2.size})
     pool = [*seen, smollm2.eos, 0, 5]
     chosen = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4, unique=True))
@@ -154,10 +158,14 @@ def test_reasoning_matches_oracle(smollm2, engines, data):
     )
     reasoning = ps.Reasoning(active, ends, content)
     before = _prints(case.matchers, smollm2.words)
-    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    if layout == "linear":
+        tree = ps.GrammarTree.from_linear_chain(np.array(chains, dtype=np.int64))
+    else:
+        tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
     mask, valid = ps.build_host_bitmask(
         case.matchers, tree, case.vocab_size, reasoning=reasoning, return_valid=True
     )
+    valid = valid.reshape(-1)
     blocks, flags = [], []
     for b, chain in enumerate(chains):
         nt, ns = _links(len(chain))
@@ -371,3 +379,47 @@ def test_device_offsets_are_checked_before_any_matcher_moves(smollm2):
     with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
         ps.build_host_bitmask(matchers, short, smollm2.size, return_valid=True)
     assert [matcher_state(m, PROBE, smollm2.words) for m in matchers] == before
+
+
+def test_offsets_layout_is_not_confused_across_shapes_and_lengths(smollm2):
+    """The same offset bytes as a 2-D array, or with another token count, are refused even
+    right after a good build with those offsets (the checked layout is reused only for equal
+    offsets and token counts)."""
+    requests, _, tokens, offsets = _json_batch(smollm2)
+    good = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    ps.build_host_bitmask([r.fresh() for r in requests], good, smollm2.size)
+    with pytest.raises(ValueError, match="offsets must be 1-D"):
+        ps.GrammarTree.from_packed_chains(tokens, offsets.reshape(1, -1))
+    with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
+        ps.GrammarTree.from_packed_chains(tokens[:-1], offsets)
+
+
+def test_an_older_compiled_helper_still_gives_the_oracle_rows(smollm2, monkeypatch):
+    """A compiled helper built before ``repair_rows`` took the valid output (no
+    ``REPAIR_VALID``): builds fall back to the numpy valid pass, same rows and flags."""
+    import portable_spec.native as native_module
+
+    real = native_module.native
+    if real is None:
+        pytest.skip("portable_spec._native is not built here")
+
+    class Older:
+        links_valid = staticmethod(real.links_valid)
+        keep_rows = staticmethod(real.keep_rows)
+        take_rows = staticmethod(real.take_rows)
+
+        @staticmethod
+        def repair_rows(*args):
+            if len(args) > 7:
+                raise TypeError("repair_rows() takes at most 7 arguments")
+            return real.repair_rows(*args)
+
+    monkeypatch.setattr(native_module, "native", Older())
+    requests, chains, tokens, offsets = _json_batch(smollm2)
+    case = type("C", (), {"requests": requests})()
+    want, want_valid = _oracle(case, chains, smollm2.size, smollm2.words)
+    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+    matchers = [r.fresh() for r in requests]
+    mask, valid = ps.build_host_bitmask(matchers, tree, smollm2.size, return_valid=True)
+    _assert_rows(mask, want)
+    np.testing.assert_array_equal(valid, want_valid)

@@ -20,7 +20,20 @@ from typing import Any
 
 __all__ = ["Preset", "main", "parse_args", "run"]
 
-SECTIONS = ("build", "staging", "apply", "overlap", "engines", "chains", "layout", "async")
+SECTIONS = (
+    "build",
+    "staging",
+    "apply",
+    "overlap",
+    "engines",
+    "chains",
+    "layout",
+    "async",
+    "percall",
+    "targets",
+)
+#: sections run when --sections is not given (``targets`` re-runs parts of the others)
+DEFAULT_SECTIONS = SECTIONS[:-1]
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--sections",
         type=_names(SECTIONS),
-        default=SECTIONS,
+        default=DEFAULT_SECTIONS,
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
     p.add_argument("--batch", type=_ints, help="build batch sizes (full: 1,8,64,256)")
@@ -438,6 +451,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if "layout" in sections:
         steps += len(layout_grid.vocabs) * len(layout_grid.nodes) * len(layout_grid.batches)
     steps += len(async_vocabs) if "async" in sections else 0
+    steps += 2 if "percall" in sections else 0
+    steps += 2 + 2 * len(chain_drafts) + 1 + 2 + 2 if "targets" in sections else 0
+    percall_plan = RoundPlan(
+        min_rounds=max(plan.min_rounds, 50), max_rounds=max(plan.max_rounds, 400), budget_s=3.0
+    )
 
     payload: dict[str, Any] = {
         "meta": {
@@ -470,6 +488,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "chains": [],
         "layout": [],
         "async": [],
+        "percall": [],
+        "per_call_targets": [],
+        "targets_runs": {},
     }
     wall = time.perf_counter()
     meter = LoadMeter()
@@ -478,7 +499,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
         if "engines" in sections:
             kinds = (*kinds, *engine_kinds)
-        if "chains" in sections:
+        if "chains" in sections or "percall" in sections or "targets" in sections:
             kinds = (*kinds, "json_schema")
         setup = load_setup(tuple(dict.fromkeys(kinds)))
         payload["meta"]["vocab_size"] = setup.vocab_size
@@ -611,6 +632,35 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 advance=progress.advance,
                 seed=args.seed,
             )
+        if "percall" in sections:
+            from portable_spec.bench.percall import run_percall_section
+
+            progress.describe("percall: drawing requests")
+            payload["percall"] = run_percall_section(
+                setup,
+                percall_plan,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
+        if "targets" in sections:
+            from portable_spec.bench.percall import issue_targets, run_targets_section
+
+            progress.describe("targets: the per-call targets' configurations")
+            runs = run_targets_section(
+                setup,
+                plan,
+                percall_plan,
+                threads=threads,
+                topk=args.topk,
+                on_grammar=args.on_grammar,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
+            payload["targets_runs"] = runs
+            payload["per_call_targets"] = [t.as_dict() for t in issue_targets(runs)]
     payload["meta"]["wall_seconds"] = time.perf_counter() - wall
     payload["meta"]["other_processes_busy_cores_during_run"] = meter.busy_cores()
     payload["meta"]["quiet_policy"] = {
@@ -731,6 +781,35 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(async_table(payload["async"]))
         out()
+    if payload.get("percall"):
+        from portable_spec.bench.percall import percall_table
+
+        out(f"## One call, batch 1, K=1 ({cores} cores)")
+        out()
+        out("Medians of interleaved rounds, microseconds per phase; see `--sections percall`.")
+        out()
+        out(percall_table(payload["percall"]))
+        out()
+    if payload.get("targets_runs"):
+        from portable_spec.bench.percall import issue_targets, percall_table
+        from portable_spec.bench.report import targets_table
+
+        runs = payload["targets_runs"]
+        out(f"## Per-call targets ({cores} cores, {meta['threads']} portable_spec threads)")
+        out()
+        out(
+            "Every ratio is a peer's median over portable_spec's, measured in this run "
+            "(interleaved rounds); fixed costs in microseconds."
+        )
+        out()
+        out(targets_table(issue_targets(runs), cores))
+        out()
+        if runs.get("percall"):
+            out(percall_table(runs["percall"]))
+            out()
+        if runs.get("chains"):
+            out(report.chains_table(runs["chains"]))
+            out()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
