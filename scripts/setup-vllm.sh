@@ -29,6 +29,24 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-vllm.tx
   "$py" -m pip check >&2 || true
   touch "$stamp"
 fi
+# vLLM 0.33's structured-output manager (source only, for the replay test of 0.33's strided
+# rows: there is no CPU build of 0.33, and its manager imports fine on top of 0.32's package).
+v033="$venv/vllm-0.33.0/structured_output.py"
+if [ ! -f "$v033" ]; then
+  tmp=$(mktemp -d)
+  if "$py" -m pip download --quiet --disable-pip-version-check --no-deps "vllm==0.33.0" -d "$tmp" 2>/dev/null; then
+    mkdir -p "$(dirname "$v033")"
+    "$py" - "$tmp"/vllm-0.33.0-*.whl "$v033" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    source = wheel.read("vllm/v1/structured_output/__init__.py")
+open(sys.argv[2], "wb").write(source)
+PY
+  else
+    echo "vllm 0.33.0 could not be downloaded: its replay test will be skipped" >&2
+  fi
+  rm -rf "$tmp"
+fi
 # The model directory (once): the GGUF's weights dequantized to fp32 safetensors, with its tokenizer.
 if [ ! -f .vllm-model/model.safetensors ]; then
   rm -rf .vllm-model .vllm-model.tmp
