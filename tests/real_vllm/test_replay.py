@@ -80,6 +80,11 @@ VOCAB = 49152
 @pytest.fixture(scope="module")
 def factories(tokenizer):
     """backend name -> (make a fresh wrapper for schema i, allocate rows)."""
+    return make_factories(tokenizer)
+
+
+def make_factories(tokenizer):
+    """backend name -> (make a fresh wrapper for schema i, allocate rows)."""
     import llguidance
     import llguidance.hf
     import llguidance.torch
@@ -186,7 +191,7 @@ def _random_request(rng, make, scratch, reasoning):
     drafts, advanced = [], 0
     kind = rng.choice(["valid", "valid", "refused", "padded", "eos"])
     length = rng.randrange(K + 1)
-    while len(drafts) < length:
+    while len(drafts) < length and not wrapper.is_terminated():  # (a stop token ends it too)
         allowed = _allowed(wrapper, scratch).tolist()
         if kind == "eos" and eos in allowed:
             drafts.append(eos)
