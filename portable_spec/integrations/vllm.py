@@ -501,12 +501,24 @@ def _fill(plan: _Plan, out: np.ndarray) -> None:
 def _build_rows(
     matchers: list[Any], tokens: list[int], offsets: list[int], vocab: int, out: np.ndarray
 ) -> np.ndarray | None:
-    """Packed chains -> rows written into ``out``; returns the flat per-row valid flags."""
+    """Packed chains -> rows written into ``out``; returns the flat per-row valid flags.
+
+    With the library's packed chains (``GrammarTree.from_packed_chains``) the rows are
+    written in place; otherwise the chains are padded into a rectangle with ``-1`` and the
+    rows gathered into ``out``.
+    """
+    flat = np.asarray(tokens, dtype=np.int64)
+    if hasattr(ps.GrammarTree, "from_packed_chains"):
+        tree = ps.GrammarTree.from_packed_chains(flat, np.asarray(offsets, dtype=np.int64))
+        mask, valid = ps.build_host_bitmask(matchers, tree, vocab, out=out, return_valid=True)
+        if mask is None:
+            out[:] = -1
+            return None
+        return valid
     segments = len(matchers)
     lengths = np.diff(offsets)
     width = int(lengths.max())
     chains = np.full((segments, width), -1, dtype=np.int64)
-    flat = np.asarray(tokens, dtype=np.int64)
     seg = np.repeat(np.arange(segments), lengths)
     pos = np.arange(len(flat)) - np.repeat(np.asarray(offsets[:-1]), lengths)
     chains[seg, pos] = flat

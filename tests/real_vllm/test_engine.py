@@ -79,3 +79,29 @@ def test_outputs_follow_their_constraint(run):
             else:
                 assert re.fullmatch(DATE_REGEX, text), text
     assert finished >= (1 + 16) // 2
+
+
+def test_the_entry_point_reaches_a_separate_engine_core(tmp_path):
+    """vLLM's default: the engine core in its own process. Only the entry point can patch it
+    there (PORTABLE_SPEC_VLLM=shadow); its per-call log lines report the rows it compared."""
+    out = tmp_path / "report.json"
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        PORTABLE_SPEC_VLLM="shadow",
+        PORTABLE_SPEC_VLLM_LOG_EVERY="1",
+        PORTABLE_SPEC_TEST_MODES="shadow",
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "engine_run.py"), "xgrammar", str(out), "16"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    summaries = re.findall(r"rows compared (\d+), differing (\d+)", log)
+    assert summaries, log[-4000:]
+    compared, differing = map(int, summaries[-1])
+    assert compared > 16 and differing == 0
+    assert "rows differ from vLLM's" not in log
