@@ -394,7 +394,17 @@ def _build_or_none(
 class _Plan:
     """One step's chains: segments back to back, a segment per grammar span or free span."""
 
-    __slots__ = ("ends", "forced", "masked", "matchers", "offsets", "tokens", "total", "unwritten")
+    __slots__ = (
+        "ends",
+        "forced",
+        "grammar_segments",
+        "masked",
+        "matchers",
+        "offsets",
+        "tokens",
+        "total",
+        "unwritten",
+    )
 
     def __init__(self) -> None:
         self.matchers: list[Any] = []  # one per segment; None: all-allowed rows
@@ -404,9 +414,12 @@ class _Plan:
         self.forced: list[int] = []  # rows vLLM leaves all-allowed inside a grammar segment
         self.masked: list[tuple[int, int, tuple[int, ...]]] = []  # reasoning rows, banned ids
         self.unwritten: list[int] = []  # strided: rows past a request's chain
+        self.grammar_segments: list[int] = []  # segments with a matcher and drafts
         self.total = 0
 
     def add(self, matcher: Any, chain: Sequence[int], end: int) -> None:
+        if matcher is not None and len(chain) > 1:
+            self.grammar_segments.append(len(self.matchers))
         self.matchers.append(matcher)
         self.tokens.extend(chain)
         self.total += len(chain)
@@ -475,7 +488,7 @@ def _finish_request(
 def _fill(plan: _Plan, out: np.ndarray) -> None:
     """Write the plan's rows into ``out`` ([plan.total, words] int32)."""
     vocab = out.shape[1] * 32
-    valid = _build_rows(plan.matchers, plan.tokens, plan.offsets, vocab, out)
+    _build_rows(plan.matchers, plan.tokens, plan.offsets, vocab, out)
     for row in plan.forced:
         out[row] = -1
     if plan.masked:
@@ -483,50 +496,72 @@ def _fill(plan: _Plan, out: np.ndarray) -> None:
         for lo, hi, banned in plan.masked:
             ids = np.asarray(banned, dtype=np.int64)
             bits[lo:hi, ids >> 5] &= ~(np.uint32(1) << (ids & 31).astype(np.uint32))
-    if valid is None or valid.all():
-        return
-    # vLLM repeats the row before a refused draft on every later row of the request (its
-    # own loop stops advancing there); the library leaves them all-allowed.
-    offsets = plan.offsets
-    for s, matcher in enumerate(plan.matchers):
-        if matcher is None:
-            continue
+    if plan.grammar_segments:
+        _repeat_after_refused(plan, out)
+
+
+def _repeat_after_refused(plan: _Plan, out: np.ndarray) -> None:
+    """vLLM repeats the row before a refused draft on every later row of the request (its
+    own loop stops advancing there); the library leaves them all-allowed. A draft is refused
+    where its bit is clear in its parent's final row (rows all-allowed after a terminated or
+    refused node let every token through, and there vLLM's repeated row is all-allowed too).
+    """
+    offsets, tokens = plan.offsets, plan.tokens
+    rows, drafts = [], []
+    for s in plan.grammar_segments:
         lo, hi = offsets[s], offsets[s + 1]
-        bad = np.flatnonzero(~valid[lo + 1 : hi])
-        if len(bad):
-            first = lo + 1 + int(bad[0])
-            out[first : plan.ends[s]] = out[first - 1]
+        rows.extend(range(lo, hi - 1))
+        drafts.extend(tokens[lo + 1 : hi])
+    parent = np.asarray(rows, dtype=np.int64)
+    token = np.asarray(drafts, dtype=np.int64)
+    words = out.shape[1]
+    inside = token < words * 32
+    word = out.view(np.uint32)[parent, np.where(inside, token >> 5, 0)]
+    allowed = inside & ((word >> (token & 31).astype(np.uint32)) & 1).astype(bool)
+    if allowed.all():
+        return
+    refused = set(np.flatnonzero(~allowed).tolist())
+    i = 0
+    for s in plan.grammar_segments:
+        lo, hi = offsets[s], offsets[s + 1]
+        for j in range(hi - lo - 1):
+            if i + j in refused:
+                first = lo + 1 + j
+                out[first : plan.ends[s]] = out[first - 1]
+                break
+        i += hi - lo - 1
 
 
 def _build_rows(
     matchers: list[Any], tokens: list[int], offsets: list[int], vocab: int, out: np.ndarray
-) -> np.ndarray | None:
-    """Packed chains -> rows written into ``out``; returns the flat per-row valid flags.
+) -> None:
+    """Packed chains (segment ``s``: ``tokens[offsets[s]:offsets[s+1]]``, root first) ->
+    their rows written into ``out``.
 
     With the library's packed chains (``GrammarTree.from_packed_chains``) the rows are
-    written in place; otherwise the chains are padded into a rectangle with ``-1`` and the
-    rows gathered into ``out``.
+    written in place; otherwise the chains go in as a ``[segments, width]`` rectangle: in
+    place when every chain is as long, else padded with ``-1`` and the rows gathered.
     """
     flat = np.asarray(tokens, dtype=np.int64)
+    segments = len(matchers)
     if hasattr(ps.GrammarTree, "from_packed_chains"):
         tree = ps.GrammarTree.from_packed_chains(flat, np.asarray(offsets, dtype=np.int64))
-        mask, valid = ps.build_host_bitmask(matchers, tree, vocab, out=out, return_valid=True)
-        if mask is None:
+        if ps.build_host_bitmask(matchers, tree, vocab, out=out) is None:
             out[:] = -1
-            return None
-        return valid
-    segments = len(matchers)
+        return
     lengths = np.diff(offsets)
     width = int(lengths.max())
+    if width * segments == len(flat):  # every chain as long: the rows are already packed
+        tree = ps.GrammarTree.from_linear_chain(flat.reshape(segments, width))
+        if ps.build_host_bitmask(matchers, tree, vocab, out=out) is None:
+            out[:] = -1
+        return
     chains = np.full((segments, width), -1, dtype=np.int64)
     seg = np.repeat(np.arange(segments), lengths)
     pos = np.arange(len(flat)) - np.repeat(np.asarray(offsets[:-1]), lengths)
     chains[seg, pos] = flat
-    mask, valid = ps.build_host_bitmask(
-        matchers, ps.GrammarTree.from_linear_chain(chains), vocab, return_valid=True
-    )
+    mask = ps.build_host_bitmask(matchers, ps.GrammarTree.from_linear_chain(chains), vocab)
     if mask is None:
         out[:] = -1
-        return None
+        return
     out[:] = mask.reshape(segments, width, -1)[seg, pos]
-    return valid[seg, pos]
