@@ -27,10 +27,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("batches", nargs="*", type=int, default=[1, 16, 32])
     parser.add_argument("--backend", default="xgrammar")
+    parser.add_argument("--repeat", type=int, default=3, help="generate calls per batch")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        env = dict(os.environ, PORTABLE_SPEC_TEST_MODES="shadow")
+        env = dict(
+            os.environ,
+            PORTABLE_SPEC_TEST_MODES="shadow",
+            PORTABLE_SPEC_TEST_REPEAT=str(args.repeat),
+        )
         runner = os.path.join(ROOT, "tests", "real_vllm", "engine_run.py")
         cmd = [sys.executable, runner, args.backend, out, *map(str, args.batches)]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)

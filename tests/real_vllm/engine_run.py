@@ -63,7 +63,8 @@ def main(backend: str, out_path: str, batches: list[int], modes: list[str]) -> N
                 )
                 for c in cases
             ]
-            outputs = llm.generate([c["prompt"] for c in cases], params, use_tqdm=False)
+            for _ in range(int(os.environ.get("PORTABLE_SPEC_TEST_REPEAT", "1"))):
+                outputs = llm.generate([c["prompt"] for c in cases], params, use_tqdm=False)
             report["runs"][f"{mode}/{batch}"] = {
                 "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                 "texts": [o.outputs[0].text for o in outputs],
