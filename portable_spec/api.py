@@ -122,10 +122,18 @@ def build_grammar_vocab_mask(
     backend, placement = _target(tree, device)
     words = words_for(check_vocab_size(vocab_size))
     max_rows = check_layout(layout, max_rows)
-    rows = tree.batch * tree.nodes
+    rows = tree.rows
     capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-    mask_layout = backend.mask_layout(placement, tree.batch, tree.nodes, vocab_size, capacity)
+    if not tree.is_packed:
+        mask_layout = backend.mask_layout(placement, tree.batch, tree.nodes, vocab_size, capacity)
+    else:
+        mask_layout = _packed_layout(backend, placement, rows, vocab_size, capacity)
     _check_layout(mask_layout, rows, backend)
+    if layout == "compact" and tree.is_packed:
+        raise ValueError(
+            "packed chains (GrammarTree.from_packed_chains) build dense masks only; "
+            "use layout='dense'"
+        )
     if layout == "compact":
         _check_compact(backend, mask_layout)
         if reasoning is not None:
@@ -172,7 +180,7 @@ def _build_and_upload(
 ) -> tuple[Any, float]:
     """Build into a pooled host buffer and start the upload; ``(result, upload seconds)``,
     the result being the mask, or ``(mask, valid)`` with ``return_valid``."""
-    rows = tree.batch * tree.nodes
+    rows = tree.rows
     always = capacity is not None or mask_layout.collective
     if options.layout == "compact":
         return _build_compact(
@@ -276,6 +284,21 @@ def _move_rows(index: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> N
     shift = np.array([dst - src for src, _count, dst in blocks], dtype=np.int64)
     block = np.searchsorted(starts, index, side="right") - 1
     index += shift[block].astype(np.int32)
+
+
+def _packed_layout(
+    backend: Backend, placement: Any, rows: int, vocab_size: int, capacity: int | None
+) -> MaskLayout:
+    """The layout of packed chains' rows: they are not split by request, so the placement
+    must keep the mask whole (one device, or replicated)."""
+    mask_layout = backend.mask_layout(placement, 1, rows, vocab_size, capacity)
+    if mask_layout.collective or mask_layout.blocks != ((0, rows, 0),):
+        raise ValueError(
+            "packed chains (GrammarTree.from_packed_chains) need a placement that keeps the "
+            "mask's rows together on this process (one device); shard by requests with a "
+            "[batch, nodes] tree instead"
+        )
+    return mask_layout
 
 
 def _check_capacity(row_capacity: Any, rows: int) -> int:

@@ -190,6 +190,12 @@ def build_host_bitmask(
     vocab_size = check_vocab_size(vocab_size)
     max_rows = check_layout(layout, max_rows)
     batch, nodes = tree.batch, tree.nodes
+    packed = tree.is_packed
+    if packed and layout != "dense":
+        raise ValueError(
+            "packed chains (GrammarTree.from_packed_chains) build dense masks only; "
+            "use layout='dense'"
+        )
     if reasoning is not None:
         from portable_spec.reasoning import build_with_reasoning
 
@@ -197,7 +203,7 @@ def build_host_bitmask(
             raise ValueError("reasoning= builds dense masks only; use layout='dense'")
         words = words_for(vocab_size)
         if out is not None:
-            _check_out(out, batch * nodes, words)
+            _check_out(out, tree.rows, words)
         return build_with_reasoning(
             build_host_bitmask, grammars, tree, vocab_size, words, reasoning, out, return_valid
         )
@@ -207,7 +213,7 @@ def build_host_bitmask(
     if not constrained:
         if return_valid:
             tree.validate()
-            return None, tree.topology().reachable.reshape(batch, nodes).copy()
+            return None, per_node(tree, tree.topology().reachable)
         return None
     if layout == "compact":
         from portable_spec.compact import build_compact_bitmask
@@ -224,7 +230,7 @@ def build_host_bitmask(
             return_valid=return_valid,
         )
     words = words_for(vocab_size)
-    rows = batch * nodes
+    rows = tree.rows
     mask = _check_out(out, rows, words) if out is not None else np.empty((rows, words), np.int32)
     started = perf_counter()
     next_token, next_sibling, draft = tree.resolve()
@@ -236,7 +242,9 @@ def build_host_bitmask(
     counts = np.zeros((batch, 2), dtype=np.int64)
     # rows of accepted, non-terminated nodes (only when asked: return_valid)
     live = np.zeros(rows, dtype=bool) if return_valid else None
-    splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
+    splits = {}
+    if not packed:
+        splits = _plan_splits(kinds, constrained, tree, next_token, next_sibling, draft, grammars)
     jobs, owners = _make_jobs(
         grammars,
         kinds,
@@ -249,6 +257,7 @@ def build_host_bitmask(
         vocab_size,
         tree.is_chain,
         live,
+        tree.spans(),
     )
     parallel = bool(splits) or len(constrained) * nodes >= PARALLEL_MIN_NODES
     seconds = run_jobs(jobs, owners, parallel)
@@ -256,7 +265,9 @@ def build_host_bitmask(
     # or a request split over several walks) are repaired here, vectorized over the batch.
     in_job = compiled.native is not None
     pending = [b for b in constrained if kinds[b] == XGRAMMAR and (not in_job or b in splits)]
-    if pending:
+    if pending and packed:
+        _rewrite_packed(mask, tree, draft, infos, root_ok, vocab_size, pending, counts)
+    elif pending:
         topology = tree.topology()
         rewrite = _rewrite_small if topology.small else _rewrite_large
         rewrite(mask, topology, draft, kinds, infos, root_ok, vocab_size, pending, counts)
@@ -328,14 +339,16 @@ def _make_jobs(
     vocab_size: int,
     chains: bool,
     live: np.ndarray | None,
+    spans: list[tuple[int, int]],
 ) -> tuple[list[Callable[[], None]], list[int]]:
     """One job per request (several for a split request), one job for all requests walked in
     Python, one per llguidance width for chains; and the (first) request of each job.
 
     Jobs that decide which nodes the grammar accepts write ``counts[b]`` (draft nodes
-    checked, refused); the others leave it to the row repair after the walks."""
+    checked, refused); the others leave it to the row repair after the walks. Request ``b``'s
+    rows are ``mask[start:start + n]`` for ``(start, n) = spans[b]``, its nodes the first ``n``
+    of its links."""
     next_token, next_sibling, draft = arrays
-    nodes = next_token.shape[1]
     jobs: list[Callable[[], None]] = []
     owners: list[int] = []
     walks: list[tuple[int, Callable[[], None]]] = []  # Python walks: they hold the GIL
@@ -349,25 +362,30 @@ def _make_jobs(
             jobs.append(partial(_llguidance_chain_job, job, group))
             owners.append(next(iter(group)))
     for b, kind in enumerate(kinds):
-        block = mask[b * nodes : (b + 1) * nodes]
+        start, n = spans[b]
+        block = mask[start : start + n]
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         if kind == NONE:
             jobs.append(partial(block.fill, ALL_ALLOWED))
         elif kind == LLGUIDANCE and chains:
             continue
         elif kind in _PYTHON_WALKS:
-            lists = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
+            lists = (
+                next_token[b, :n].tolist(),
+                next_sibling[b, :n].tolist(),
+                draft[b, :n].tolist(),
+            )
             limit = min(vocab_size, info.vocab_size)
             if kind == OUTLINES:
                 _check_depth(b, lists[0], lists[1], info)
             walk = _PYTHON_WALKS[kind]
             job = partial(_walk_job, walk, grammars[b], lists, block, info, limit, counts[b])
             if live is not None:
-                job = partial(job, live=live[b * nodes : (b + 1) * nodes])
+                job = partial(job, live=live[start : start + n])
             walks.append((b, job))
             continue
         elif b not in splits:
-            links = (next_token[b], next_sibling[b], draft[b])
+            links = (next_token[b, :n], next_sibling[b, :n], draft[b, :n])
             if compiled.native is not None:
                 limit = min(vocab_size, info.vocab_size)
                 job = partial(_xgrammar_repaired_job, grammars[b], links, block, info, limit)
@@ -707,8 +725,11 @@ def _valid_nodes(
     non-terminated nodes of the Python walks and llguidance chains; xgrammar's are read off
     the finished rows by the repair rule (kept rows are untouched by the repair). A node is
     accepted when it is a root, or its parent is live, its token in range and allowed by the
-    parent's row; unconstrained requests accept every node a link reaches."""
+    parent's row; unconstrained requests accept every node a link reaches. Packed chains:
+    a flat bool ``[rows]``."""
     batch, nodes = tree.batch, tree.nodes
+    if tree.is_packed:
+        return _valid_packed(mask, tree, draft, kinds, infos, root_ok, vocab_size, live)
     topology = tree.topology()
     xgrammar = [b for b, kind in enumerate(kinds) if kind == XGRAMMAR]
     if xgrammar:
@@ -730,3 +751,108 @@ def _valid_nodes(
     unconstrained = np.repeat(np.asarray(kinds) == NONE, nodes)
     valid[unconstrained] = topology.reachable[unconstrained]
     return valid.reshape(batch, nodes)
+
+
+def per_node(tree: GrammarTree, padded: np.ndarray) -> np.ndarray:
+    """A per-node bool ``[batch * nodes]`` over the tree's resolved (padded) arrays, in the
+    shape ``return_valid`` gives: ``[batch, nodes]``, or ``[rows]`` for packed chains."""
+    grid = padded.reshape(tree.batch, tree.nodes)
+    if not tree.is_packed:
+        return grid.copy()
+    lengths = np.diff(tree.offsets)
+    return grid[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+
+
+def _packed_rows(tree: GrammarTree, draft: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Packed chains, per row: ``(request, parent row or -1, token, first rows)``."""
+    offsets = tree.offsets
+    assert offsets is not None
+    starts = offsets[:-1]
+    lengths = np.diff(offsets)
+    request = np.repeat(np.arange(tree.batch), lengths)
+    parent = np.arange(-1, tree.rows - 1, dtype=np.int64)
+    parent[starts] = -1
+    tokens = draft[np.arange(tree.nodes)[None, :] < lengths[:, None]]
+    return request, parent, tokens, starts
+
+
+def _rewrite_packed(
+    mask: np.ndarray,
+    tree: GrammarTree,
+    draft: np.ndarray,
+    infos: list[MatcherInfo | None],
+    root_ok: np.ndarray,
+    vocab_size: int,
+    requests: list[int],
+    counts: np.ndarray,
+    write: bool = True,
+) -> np.ndarray:
+    """The row repair of packed chains (each row's parent is the row before it): the local
+    test per row, ANDed along each chain by a running count of failures. Returns which rows
+    (of ``requests``) keep a grammar row; ``write=False`` only says so."""
+    request, parent, tokens, starts = _packed_rows(tree, draft)
+    words = mask.shape[1]
+    selected = np.zeros(tree.batch, dtype=bool)
+    selected[requests] = True
+    limits = np.zeros(tree.batch, dtype=np.int64)
+    for b in requests:
+        limits[b] = min(vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
+    limit = limits[request]
+    in_range = (tokens >= 0) & (tokens < limit)
+    safe = np.where(in_range, tokens, 0)
+    has_parent = parent >= 0
+    word = mask.reshape(-1)[np.where(has_parent, parent, 0) * words + (safe >> 5)]
+    allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range & has_parent
+    local = allowed.copy()
+    for b in requests:
+        stops = infos[b].stop_ids  # type: ignore[union-attr]
+        if len(stops):
+            rows = slice(int(tree.offsets[b]), int(tree.offsets[b + 1]))  # type: ignore[index]
+            local[rows] &= ~np.isin(tokens[rows], stops)
+    local[starts] = root_ok
+    local &= selected[request]
+    failed = ~local
+    running = np.cumsum(failed)
+    before = running[starts] - failed[starts]
+    keep = running == before[request]
+    checked = has_parent & keep[np.where(has_parent, parent, 0)]
+    refused = checked & ~allowed
+    counts[requests, 0] = np.bincount(request, checked, minlength=tree.batch)[requests]
+    counts[requests, 1] = np.bincount(request, refused, minlength=tree.batch)[requests]
+    if write:
+        rewrite = np.flatnonzero(selected[request] & ~keep)
+        if rewrite.size:
+            mask[rewrite] = ALL_ALLOWED
+    return keep
+
+
+def _valid_packed(
+    mask: np.ndarray,
+    tree: GrammarTree,
+    draft: np.ndarray,
+    kinds: list[int],
+    infos: list[MatcherInfo | None],
+    root_ok: np.ndarray,
+    vocab_size: int,
+    live: np.ndarray,
+) -> np.ndarray:
+    """:func:`_valid_nodes` for packed chains: flat bool ``[rows]``."""
+    request, parent, tokens, starts = _packed_rows(tree, draft)
+    is_kind = np.asarray(kinds)[request]
+    xgrammar = [b for b, kind in enumerate(kinds) if kind == XGRAMMAR]
+    if xgrammar:
+        scratch = np.zeros((tree.batch, 2), dtype=np.int64)
+        kept = _rewrite_packed(
+            mask, tree, draft, infos, root_ok, vocab_size, xgrammar, scratch, False
+        )
+        rows = is_kind == XGRAMMAR
+        live[rows] = kept[rows]
+    has_parent = parent >= 0
+    in_range = (tokens >= 0) & (tokens < vocab_size)
+    safe = np.where(in_range, tokens, 0)
+    word = mask[np.where(has_parent, parent, 0), safe >> 5]
+    allowed = ((word >> (safe & 31)) & 1).astype(bool) & in_range
+    valid = has_parent & live[np.where(has_parent, parent, 0)] & allowed
+    valid[starts] = True
+    valid[is_kind == NONE] = True
+    return valid

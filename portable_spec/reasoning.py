@@ -146,20 +146,22 @@ def build_with_reasoning(
     rest = [None if b in reasoning_requests else g for b, g in enumerate(grammars)]
     mask, valid = build(rest, tree, vocab_size, out=out, return_valid=True)
     if mask is None:
-        rows = tree.batch * tree.nodes
-        mask = np.empty((rows, words), dtype=np.int32) if out is None else out
+        mask = np.empty((tree.rows, words), dtype=np.int32) if out is None else out
         mask[:] = ALL_ALLOWED
     frees = _free_rows(build, [grammars[b] for b in reasoning_requests], checked, vocab_size, words)
-    nodes = tree.nodes
+    spans = tree.spans()
+    flat_valid = valid.reshape(-1)  # a view: [batch, nodes], or [rows] for packed chains
     subtrees: list[list[_SubTree]] = []
     for k, b in enumerate(reasoning_requests):
         free = frees[k]
-        links = (next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist())
-        block = mask[b * nodes : (b + 1) * nodes]
-        valid[b] = False
-        found = _reasoning_walk(b, *links, block, valid[b], free, checked, vocab_size)
+        start, n = spans[b]
+        links = (next_token[b, :n].tolist(), next_sibling[b, :n].tolist(), draft[b, :n].tolist())
+        block = mask[start : start + n]
+        request_valid = flat_valid[start : start + n]
+        request_valid[:] = False
+        found = _reasoning_walk(b, *links, block, request_valid, free, checked, vocab_size)
         subtrees.append(found)
-    _build_subtrees(build, grammars, subtrees, mask, valid, nodes, vocab_size)
+    _build_subtrees(build, grammars, subtrees, mask, flat_valid, spans, vocab_size)
     return (mask, valid) if return_valid else mask
 
 
@@ -286,12 +288,13 @@ def _build_subtrees(
     subtrees: list[list[_SubTree]],
     mask: np.ndarray,
     valid: np.ndarray,
-    nodes: int,
+    spans: list[tuple[int, int]],
     vocab_size: int,
 ) -> None:
     """Build every sub-tree with its request's matcher, one per matcher per round, and copy
-    the rows (and which nodes the grammar accepts) into place. A failing matcher is named by
-    its request index."""
+    the rows (and which nodes the grammar accepts, into the flat ``valid``) into place; the
+    rows of request ``b`` start at ``spans[b][0]``. A failing matcher is named by its request
+    index."""
     rounds = max((len(s) for s in subtrees), default=0)
     for r in range(rounds):
         batch = [s[r] for s in subtrees if len(s) > r]
@@ -313,5 +316,6 @@ def _build_subtrees(
         for k, sub in enumerate(batch):
             local = np.asarray(sub.nodes)
             keep = local >= 0
-            mask[sub.request * nodes + local[keep]] = rows[k * width + np.flatnonzero(keep)]
-            valid[sub.request, local[keep]] = accepted[k, np.flatnonzero(keep)]
+            start = spans[sub.request][0]
+            mask[start + local[keep]] = rows[k * width + np.flatnonzero(keep)]
+            valid[start + local[keep]] = accepted[k, np.flatnonzero(keep)]

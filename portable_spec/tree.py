@@ -92,12 +92,15 @@ class GrammarTree:
         "_arrays",
         "_backend",
         "_chain",
+        "_offsets",
+        "_packed",
         "_staged",
         "_topology",
         "_valid",
         "batch",
         "device",
         "nodes",
+        "rows",
     )
 
     def __init__(
@@ -108,16 +111,25 @@ class GrammarTree:
         backend: Backend,
         chain: bool,
         device: Any = None,
+        offsets: np.ndarray | None = None,
+        rows: int | None = None,
     ) -> None:
         # (positions among the tree's arrays, the handle that stages them)
         self._staged = staged
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._topology: Topology | None = None
-        self._valid = chain  # chains are valid by construction
+        self._packed = rows is not None
+        self._valid = chain or self._packed  # chains are valid by construction
         self._backend = backend
         self._chain = chain
+        # packed chains: int64 [batch + 1] row offsets (None until resolved if staged)
+        self._offsets = offsets
         self.batch = batch
+        #: nodes per request; packed chains: the longest chain's (0 until the tree is resolved
+        #: when the offsets were staged from a device)
         self.nodes = nodes
+        #: rows of the tree's dense mask: ``batch * nodes``, or ``offsets[-1]`` for packed chains
+        self.rows = batch * nodes if rows is None else rows
         #: where the tree's device arrays live (``None`` for host trees): the mask's default
         #: destination in :func:`portable_spec.build_grammar_vocab_mask`.
         self.device = device
@@ -202,6 +214,58 @@ class GrammarTree:
             staged, batch, nodes, backend, chain=True, device=backend.device_of(draft_tokens)
         )
 
+    @classmethod
+    def from_packed_chains(cls, tokens: Any, offsets: Any) -> GrammarTree:
+        """Chains of different lengths packed back to back, one mask row per node, no padding.
+
+        Args:
+            tokens: 1-D integer ``[offsets[-1]]`` array (numpy, torch or JAX, host or device;
+                device arrays are staged as in :meth:`from_device`; lists are host data).
+                Request ``b``'s chain is ``tokens[offsets[b]:offsets[b + 1]]``: its first
+                entry is the root (the last committed token, whose value is not read), the
+                others its draft tokens in order.
+            offsets: 1-D integer ``[batch + 1]`` array, ``offsets[0] == 0`` and
+                ``offsets[b + 1] - offsets[b] >= 1`` (every request has its root). Host
+                offsets (numpy, a list, a CPU tensor) are checked at once; device arrays
+                (JAX arrays included) are staged with the tokens and checked when the tree is
+                resolved, still before any matcher moves.
+
+        Checks shapes and dtypes now (``TypeError``/``ValueError`` naming the request or the
+        array at fault), never blocks. The mask built over the tree has ``offsets[-1]`` rows; row
+        ``offsets[b] + j`` is the node after request ``b``'s first ``j`` drafts, and
+        ``return_valid`` gives a flat bool ``[offsets[-1]]``. The dense layout only.
+
+        Returns:
+            A tree with ``batch`` requests, ``nodes`` the longest chain's length and ``rows``
+            ``offsets[-1]``; :meth:`resolve` returns its chains padded to ``[batch, nodes]``.
+        """
+        if isinstance(tokens, (list, tuple)):
+            tokens = np.asarray(tokens, dtype=np.int64)
+        backend = backend_for(tokens)
+        info = _info("tokens", tokens, backend)
+        if len(info.shape) != 1:
+            raise ValueError(f"tokens must be 1-D [offsets[-1]], got shape {info.shape}")
+        rows = info.shape[0]
+        host = _host_offsets(offsets)
+        if host is None:  # on a device: staged with the tokens, checked when resolved
+            offsets_backend = backend_for(offsets)
+            shape = _info("offsets", offsets, offsets_backend).shape
+            if len(shape) != 1 or shape[0] < 1:
+                raise ValueError(f"offsets must be 1-D [batch + 1], got shape {shape}")
+            batch, nodes = shape[0] - 1, 0
+            arrays, backends = (tokens, offsets), [backend, offsets_backend]
+            staged = []
+            for each in dict.fromkeys(backends):
+                picked = [i for i, b in enumerate(backends) if b is each]
+                staged.append(([2 + i for i in picked], each.stage([arrays[i] for i in picked])))
+        else:
+            host = _check_offsets(host, rows)
+            batch = len(host) - 1
+            nodes = int(np.diff(host).max()) if batch else 1
+            staged = [([2], backend.stage([tokens]))]
+        device = backend.device_of(tokens)
+        return cls(staged, batch, nodes, backend, False, device=device, offsets=host, rows=rows)
+
     # -- reading -------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
@@ -213,25 +277,62 @@ class GrammarTree:
         """Whether the tree was built by :meth:`from_linear_chain`."""
         return self._chain
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether the tree was built by :meth:`from_packed_chains`."""
+        return self._packed
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        """Packed chains (:meth:`from_packed_chains`): the int64 ``[batch + 1]`` row offsets
+        (read-only; ``None`` until :meth:`resolve` when staged from a device); ``None`` for
+        ``[batch, nodes]`` trees."""
+        return self._offsets
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Per request, ``(first row, nodes)``: where its rows lie in the dense mask (resolves
+        packed chains whose offsets were staged from a device: may block)."""
+        if not self._packed:
+            return [(b * self.nodes, self.nodes) for b in range(self.batch)]
+        if self._offsets is None:
+            self.resolve()
+        assert self._offsets is not None
+        starts = self._offsets[:-1].tolist()
+        ends = self._offsets[1:].tolist()
+        return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+
     def resolve(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for the staged copy (only if there is one) and return the host arrays.
 
         Returns:
             ``(next_token, next_sibling, draft_tokens)``: C-contiguous numpy int64 arrays,
-            each ``[batch, nodes]``: copies of the inputs (the links of a chain are shared by
-            every chain tree of the same shape). They are cached: later calls return the same
-            arrays without waiting. Do not modify them (they stay writable only because
-            DLPack, through which xgrammar reads them, cannot export read-only arrays).
+            each ``[batch, nodes]`` (packed chains: padded to the longest chain, the nodes
+            past a request's chain unreached padding with token 0): copies of the inputs (the
+            links of a chain are shared by every chain tree of the same shape). They are
+            cached: later calls return the same arrays without waiting. Do not modify them
+            (they stay writable only because DLPack, through which xgrammar reads them, cannot
+            export read-only arrays).
         """
         if self._arrays is None:
             shape = (self.batch, self.nodes)
-            slots: list[np.ndarray | None] = [None, None, None]
+            slots: list[np.ndarray | None] = [None, None, None, None]
             for positions, staged in self._staged:
                 for position, host in zip(positions, staged.resolve(), strict=True):
-                    slots[position] = _as_int64(host, shape)
-            if self._chain:
+                    if position == 3:  # packed chains' offsets, staged from a device
+                        slots[3] = _check_offsets(host, self.rows)
+                    elif self._packed:
+                        slots[position] = _as_int64(host, (self.rows,))
+                    else:
+                        slots[position] = _as_int64(host, shape)
+            if self._packed:
+                if self._offsets is None:
+                    self._offsets = offsets = slots[3]
+                    self.nodes = int(np.diff(offsets).max()) if self.batch else 1
+                links = _padded_chains(self._offsets, self.nodes, slots[2])
+                slots[0], slots[1], slots[2] = links
+            elif self._chain:
                 slots[0], slots[1] = _chain_links(self.batch, self.nodes)
-            self._arrays = tuple(slots)  # type: ignore[assignment]
+            self._arrays = tuple(slots[:3])  # type: ignore[assignment]
             self._staged = []
         return self._arrays  # type: ignore[return-value]
 
@@ -264,7 +365,7 @@ class GrammarTree:
         return self._topology
 
     def __repr__(self) -> str:
-        kind = "chain" if self._chain else "tree"
+        kind = "chain" if self._chain else "packed chains" if self._packed else "tree"
         state = "resolved" if self._arrays is not None else "staged"
         return (
             f"GrammarTree({kind}, batch={self.batch}, nodes={self.nodes}, "
@@ -313,3 +414,56 @@ def _chain_links(batch: int, nodes: int) -> tuple[np.ndarray, np.ndarray]:
             _chain_links_cache.clear()
         _chain_links_cache[key] = links = (next_token, next_sibling)
     return links
+
+
+def _host_offsets(offsets: Any) -> np.ndarray | None:
+    """Packed-chain offsets readable on the host without waiting, or None (a device array)."""
+    if isinstance(offsets, (list, tuple, np.ndarray, np.generic)):
+        return _host_array(offsets)
+    backend = backend_for(offsets)
+    try:
+        return backend.to_host(offsets)
+    except TypeError:
+        return None
+
+
+def _check_offsets(offsets: np.ndarray, rows: int) -> np.ndarray:
+    """Validate packed-chain offsets against ``rows`` tokens; return them as a read-only
+    int64 copy."""
+    if offsets.dtype.kind not in "iu":
+        raise TypeError(f"offsets must have an integer dtype, got {offsets.dtype}")
+    if offsets.ndim != 1 or offsets.shape[0] < 1:
+        raise ValueError(f"offsets must be 1-D [batch + 1], got shape {offsets.shape}")
+    host = np.array(offsets, dtype=np.int64, copy=True)
+    if host[0] != 0:
+        raise ValueError(f"offsets[0] must be 0, got {int(host[0])}")
+    lengths = np.diff(host)
+    if lengths.size and lengths.min() < 1:
+        b = int(np.argmax(lengths < 1))
+        raise ValueError(
+            f"request {b} has offsets[{b + 1}] - offsets[{b}] = {int(lengths[b])} nodes; "
+            "every request needs at least its root (offsets must increase by >= 1)"
+        )
+    if int(host[-1]) != rows:
+        raise ValueError(
+            f"tokens has {rows} entries but offsets[-1] = {int(host[-1])}; "
+            "they must be equal (one token per packed row)"
+        )
+    host.flags.writeable = False
+    return host
+
+
+def _padded_chains(
+    offsets: np.ndarray, nodes: int, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed chain tokens ``[rows]`` -> chain links and tokens padded to ``[batch, nodes]``
+    (nodes past a request's length: no link reaches them, token 0)."""
+    batch = len(offsets) - 1
+    lengths = np.diff(offsets)
+    column = np.arange(nodes, dtype=np.int64)
+    inside = column[None, :] < lengths[:, None]
+    draft = np.zeros((batch, nodes), dtype=np.int64)
+    draft[inside] = tokens
+    next_token = np.where(column[None, :] + 1 < lengths[:, None], column + 1, -1)
+    next_sibling = np.full((batch, nodes), -1, dtype=np.int64)
+    return np.ascontiguousarray(next_token, dtype=np.int64), next_sibling, draft
