@@ -13,7 +13,8 @@ Install ``portable-spec[vllm]`` next to vLLM and set ``PORTABLE_SPEC_VLLM``:
 vLLM loads the plugin in each of its processes through the ``vllm.general_plugins`` entry
 point, so the replacement reaches the EngineCore process, where the scheduler builds the mask.
 ``PORTABLE_SPEC_VLLM_LOG_EVERY`` (default 1000; 0 disables) logs a summary line (median
-times, rows compared and differing) every that many calls.
+times, rows compared and differing) every that many calls. The build runs on the scheduler's
+thread, as vLLM's own fill does (``PORTABLE_SPEC_NUM_THREADS`` gives it more threads).
 
 What the plugin builds, and what it leaves to vLLM:
 
@@ -58,6 +59,7 @@ __all__ = [
 
 ENV_VAR = "PORTABLE_SPEC_VLLM"
 LOG_EVERY_ENV_VAR = "PORTABLE_SPEC_VLLM_LOG_EVERY"
+THREADS_ENV_VAR = "PORTABLE_SPEC_NUM_THREADS"  # the library's; the plugin's default is 1
 
 #: vLLM releases whose row layout the plugin writes: "packed" (0.32: ``1 + len(drafts)`` rows
 #: per request, back to back) or "strided" (0.33: request ``b``'s rows start at ``b * (K + 1)``;
@@ -194,6 +196,10 @@ def set_mode(mode: str) -> bool:
     original = StructuredOutputManager.grammar_bitmask
     if getattr(original, "_portable_spec", None) is None:
         StructuredOutputManager.grammar_bitmask = _patched(original, layout)
+        if THREADS_ENV_VAR not in os.environ:
+            # vLLM's own fill is serial on the scheduler's thread; worker threads would
+            # compete with the engine's own (its CPU backend keeps its cores busy).
+            ps.set_num_threads(1)
     logger.info(
         "portable_spec: grammar_bitmask built by portable_spec (%s, %s rows, vLLM %s)",
         mode,
