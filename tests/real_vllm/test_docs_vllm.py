@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("vllm")  # run in scripts/test-vllm.sh's .venv-vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "vllm.md").read_text(), re.DOTALL)
 NOT_RUN = "# not runnable here"
