@@ -9,6 +9,10 @@ import re
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("vllm")  # this environment: scripts/test-vllm.sh's .venv-vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
