@@ -340,25 +340,48 @@ def _arrange(host: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> None
         host[end:] = ALL_ALLOWED
 
 
-def apply_vocab_mask(logits: Any, mask: Any) -> Any:
+def apply_vocab_mask(logits: Any, mask: Any, *, vocab_size: int | None = None) -> Any:
     """Set the logits of disallowed tokens to ``-inf``.
 
     Args:
         logits: ``[rows, vocab]`` (or ``[vocab]``) floating array of any registered framework.
-        mask: int32 ``[rows, ceil(vocab / 32)]`` bitmask of the same framework (as returned by
+        mask: int32 ``[rows, words]`` bitmask of the same framework (as returned by
             :func:`build_grammar_vocab_mask`), a :class:`CompactMask` of that framework's
             arrays with ``num_rows == rows`` (only its listed rows are touched; the result is
-            that of the dense mask), or ``None`` (logits returned unchanged).
+            that of the dense mask), or ``None`` (no request has a grammar). Without
+            ``vocab_size`` the mask must cover every column: ``32 * words >= vocab``.
+        vocab_size: the model's real vocabulary, for logits padded past it (a mask built with
+            this ``vocab_size`` covers only ``ceil(vocab_size / 32)`` words): every column at
+            or past it is set to ``-inf`` in *every* row, all-allowed rows included (requests
+            without a grammar, rejected draft nodes, and ``mask=None``), since such ids are
+            no tokens; the columns below it are masked by the bits. Must not exceed what the
+            mask covers (``32 * words``).
 
     Returns:
         The masked logits. numpy and torch modify ``logits`` in place and return it; JAX
         returns a new array (donate ``logits`` to the enclosing ``jax.jit`` to reuse its
-        memory). Columns past ``32 * mask.shape[-1]`` are left unchanged.
+        memory; ``vocab_size`` is static there). ``mask=None`` without ``vocab_size``: the
+        logits unchanged.
+
+    Raises:
+        ValueError: logits wider than the mask covers without ``vocab_size`` (their extra
+            columns would stay allowed: padding ids could be sampled), or a ``vocab_size``
+            past the mask; shapes that do not match.
+        TypeError: dtypes, frameworks or ``vocab_size`` of the wrong type.
 
     Does not block: on accelerators the work is queued on the logits' stream.
     """
-    if mask is None:
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+    ):
+        raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+    if mask is None and vocab_size is None:
         return logits
+    backend = backend_for(logits)
     if isinstance(mask, CompactMask):
-        return backend_for(logits).apply_compact_mask(logits, mask)
-    return backend_for(logits).apply_vocab_mask(logits, mask)
+        if vocab_size is None:
+            return backend.apply_compact_mask(logits, mask)
+        return backend.apply_compact_mask(logits, mask, vocab_size=int(vocab_size))
+    if vocab_size is None:
+        return backend.apply_vocab_mask(logits, mask)
+    return backend.apply_vocab_mask(logits, mask, vocab_size=int(vocab_size))

@@ -205,13 +205,17 @@ class Backend(ABC):
 
     # -- apply -----------------------------------------------------------------------------------
     @abstractmethod
-    def apply_vocab_mask(self, logits: Any, mask: Any) -> Any:
+    def apply_vocab_mask(self, logits: Any, mask: Any, vocab_size: int | None = None) -> Any:
         """Set ``logits[i, t]`` to ``-inf`` where bit ``t`` of ``mask[i]`` is 0.
 
         ``logits`` is ``[rows, vocab]`` (or ``[vocab]`` for one row) of a floating dtype;
-        ``mask`` is int32 ``[rows, ceil(vocab / 32)]`` (wider or narrower masks are allowed:
-        columns past ``32 * mask.shape[-1]`` are left as they are). Returns the masked logits;
-        whether that is the same array (in place) or a new one is the backend's to document.
+        ``mask`` is int32 ``[rows, words]`` covering every column (``32 * words >= vocab``;
+        wider masks are allowed), or ``None`` when ``vocab_size`` is given. With
+        ``vocab_size``, every column at or past it is ``-inf`` in every row and the mask
+        need only cover ``vocab_size`` tokens (see :func:`portable_spec.masks.apply_columns`,
+        which decides both and raises ``ValueError`` for a mask that does not cover the
+        logits). Returns the masked logits; whether that is the same array (in place) or a
+        new one is the backend's to document.
         """
 
     # -- compact masks (optional) -----------------------------------------------------------------
@@ -229,10 +233,13 @@ class Backend(ABC):
         """
         raise NotImplementedError(f"backend {self.name!r} has no compact mask layout")
 
-    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> Any:
+    def apply_compact_mask(
+        self, logits: Any, mask: CompactMask, vocab_size: int | None = None
+    ) -> Any:
         """Set ``logits[mask.rows[k], t]`` to ``-inf`` where bit ``t`` of ``mask.bits[k]`` is 0,
-        for the real entries; leave every other row alone. ``logits`` has ``mask.num_rows``
-        rows (``[vocab]`` when it is 1). Same in-place/functional behaviour as
+        for the real entries; leave every other row alone (but for the columns at or past
+        ``vocab_size``, ``-inf`` in every row). ``logits`` has ``mask.num_rows`` rows
+        (``[vocab]`` when it is 1). Same in-place/functional behaviour and width rules as
         :meth:`apply_vocab_mask`, and the same result as applying ``mask.to_dense()``."""
         raise TypeError(f"backend {self.name!r} cannot apply a CompactMask")
 

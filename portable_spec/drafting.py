@@ -45,9 +45,10 @@ from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates,
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, run_indexed
 from portable_spec.registry import backend_for, get_backend
-from portable_spec.tree import GrammarTree
+from portable_spec.tree import GrammarTree, as_int64
 
 __all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
 
@@ -90,6 +91,8 @@ class _Staged:
                 info = backend.array_info(array)
             except ValueError as exc:  # a JAX array deleted (donated) before staging
                 raise ValueError(f"{name}: {exc}") from exc
+            except TypeError as exc:  # a torch meta tensor, ...
+                raise TypeError(f"{name}: {exc}") from exc
             if not info.is_integer:
                 raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
             shape = tuple(info.shape)
@@ -119,9 +122,7 @@ class _Staged:
         out = []
         for handle in self._handles:
             (host,) = handle.resolve()
-            if host.dtype.kind == "u" and host.dtype.itemsize == 8:
-                host = host.view(np.int64)
-            out.append(np.array(host.reshape(self.shape), dtype=np.int64, order="C", copy=True))
+            out.append(as_int64(host, self.shape))
         return out
 
 
@@ -202,7 +203,9 @@ class DraftSession:
             is sized for it and grows when a tree gets larger.
 
     Raises:
-        TypeError, ValueError: bad grammars, vocabulary, device or ``d2t``.
+        TypeError, ValueError: bad grammars, vocabulary, device or ``d2t``; a matcher that a
+            build started with ``wait=False`` still walks (as for a blocking build; the
+            session's own calls that use the matchers refuse it too).
         MatcherError: a matcher raised while the root rows were filled.
 
     The constructor fills the root rows on the host (one fill per constrained request); it
@@ -233,8 +236,10 @@ class DraftSession:
         self._backend, self._placement = _resolve_target(device, backend)
         self._draft = None if d2t is None else _DraftVocab(d2t, self.vocab_size)
         kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
+        check_not_pending(grammars)  # a pending build is walking them: refused before any move
         self.words = words_for(self.vocab_size)
         self._kinds = kinds
+        self._grammars = list(grammars)
         self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
@@ -334,6 +339,7 @@ class DraftSession:
             return
         self._closed = True
         self._pending.clear()
+        self._grammars = []
         for states in self._states if hasattr(self, "_states") else ():
             if states is not None:
                 states.close()
@@ -405,7 +411,8 @@ class DraftSession:
         Raises:
             TypeError, ValueError: malformed arrays (dtype, shape), a parent that is not an
                 existing node or is a padding slot, a tree deeper than an outlines-core guide
-                can roll back. Raised before any matcher moves; the level is not added.
+                can roll back, a matcher that a build started with ``wait=False`` still
+                walks. Raised before any matcher moves; the level is not added.
             MatcherError: a matcher raised (the level is not added; every matcher is back in
                 its state).
 
@@ -415,6 +422,8 @@ class DraftSession:
         """
         self._check_open()
         staged = _Staged((parents, tokens), ("parents", "tokens"), self.batch)
+        if masks:  # the states fork or move the session's matchers: not while a build walks them
+            check_not_pending(self._grammars)
         k = staged.shape[1]
         if not masks:
             self._pending.append((self._nodes, staged))
@@ -429,6 +438,8 @@ class DraftSession:
 
     def _flush(self) -> None:
         """Compute the rows of levels added with ``masks=False``."""
+        if self._pending:
+            check_not_pending(self._grammars)  # nothing dropped: the caller may retry
         while self._pending:
             first, staged = self._pending[0]
             try:
@@ -707,6 +718,7 @@ class DraftSession:
         self._flush()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, Integral) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+        check_not_pending(self._grammars)
         if nodes is None:
             chosen = [0] * self.batch
         else:

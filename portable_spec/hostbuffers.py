@@ -12,9 +12,10 @@ array created from it has been garbage collected (frameworks keep the source arr
 while a transfer reads it or while they alias it) and, where the backend recorded one, the
 completion event of its last copy has fired.
 
-Returns of lent blocks happen in ``weakref.finalize`` callbacks, which the garbage collector
-may run at any allocation, also in a thread that holds the pool's lock. They therefore take no
-lock: they append to a queue that the next locked operation drains.
+Returns of lent blocks happen in ``weakref.finalize`` callbacks, and plain releases in
+finalisers (``__del__``), which the garbage collector may run at any allocation, also in a
+thread that holds the pool's lock. They therefore take no lock: they append to a queue that
+the next locked operation drains.
 """
 
 from __future__ import annotations
@@ -150,10 +151,12 @@ class HostBufferPool:
         return HostBuffer(array=array, block=block, owner=owner)
 
     def release(self, buffer: HostBuffer) -> None:
-        """Return a buffer nobody else has seen (not uploaded, not lent)."""
-        with self._lock:
-            self._lent -= 1
-            self._give_back_locked(buffer.block, buffer.owner)
+        """Return a buffer nobody else has seen (not uploaded, not lent).
+
+        Takes no lock (the buffer joins the queue of returned blocks that the next locked
+        operation drains): finalisers such as an unclosed ``DraftSession``'s ``__del__``
+        release buffers, and the garbage collector may run them inside this pool's lock."""
+        self._returned.append((buffer.block, buffer.owner, None, None))
 
     def lend(
         self,

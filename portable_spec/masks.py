@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CompactMask", "compact_views", "index_words", "rebase_compact"]
+__all__ = ["CompactMask", "apply_columns", "compact_views", "index_words", "rebase_compact"]
 
 
 _INT32 = np.dtype(np.int32)
@@ -125,6 +125,43 @@ class CompactMask:
             f"CompactMask(entries={self.capacity}, count={self.count}, words={self.words}, "
             f"num_rows={self.num_rows}, arrays={kind})"
         )
+
+
+def apply_columns(width: int, words: int | None, vocab_size: Any) -> tuple[int, int | None]:
+    """How a mask of ``words`` int32 words per row (``None``: no mask) applies to logits
+    ``width`` columns wide: ``(covered, banned_from)``.
+
+    ``covered``: the leading columns whose bits are applied. ``banned_from``: the first column
+    to set to ``-inf`` in every row (``None`` for none): ``vocab_size`` when given and smaller
+    than ``width``. Without ``vocab_size`` the mask must cover every column.
+
+    Raises:
+        TypeError: ``vocab_size`` not an int.
+        ValueError: logits wider than the mask covers without ``vocab_size``; ``vocab_size``
+            past what the mask covers, or below 1; no mask and no ``vocab_size``.
+    """
+    if vocab_size is None:
+        if words is None:
+            raise ValueError("vocab_size is required to apply no mask")
+        if width > 32 * words:
+            raise ValueError(
+                f"logits have {width} columns but the mask covers only {32 * words} tokens "
+                f"({words} words): pass vocab_size= (the real vocabulary; columns at or past "
+                "it are banned) or a mask as wide as the logits"
+            )
+        return width, None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+        raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+    vocab_size = int(vocab_size)
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if words is not None and vocab_size > 32 * words:
+        raise ValueError(
+            f"vocab_size = {vocab_size} but the mask covers only {32 * words} tokens "
+            f"({words} words): tokens {32 * words}..{vocab_size - 1} would be unconstrained"
+        )
+    covered = 0 if words is None else min(width, vocab_size)
+    return covered, (vocab_size if vocab_size < width else None)
 
 
 def index_words(capacity: int, words: int) -> int:

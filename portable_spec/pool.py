@@ -96,6 +96,7 @@ class _Pool:
             if job is None:
                 return
             job.work()
+            job = None  # what the job references is freed now, not at the next job
 
     def run(self, fn: Callable[[int], None], count: int, helpers: int) -> None:
         job = _Job(fn, count)
@@ -237,6 +238,9 @@ class _Lane:
                 fn()
             finally:
                 finished.set()
+                # drop the call before waiting for the next one: what it returns or holds
+                # (a dropped handle's mask) must be freed when it ends, not at the next submit
+                item = fn = finished = None  # type: ignore[assignment]
 
     def shutdown(self) -> None:
         with self._lock:

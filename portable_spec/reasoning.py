@@ -148,7 +148,7 @@ def build_with_reasoning(
     if mask is None:
         mask = np.empty((tree.rows, words), dtype=np.int32) if out is None else out
         mask[:] = ALL_ALLOWED
-    frees = _free_rows(build, [grammars[b] for b in reasoning_requests], checked, vocab_size, words)
+    frees = _free_rows(build, grammars, reasoning_requests, checked, vocab_size, words)
     spans = tree.spans()
     flat_valid = valid.reshape(-1)  # a view: [batch, nodes], or [rows] for packed chains
     subtrees: list[list[_SubTree]] = []
@@ -171,11 +171,18 @@ _free_row_cache: IdentityCache[tuple[frozenset[int], np.ndarray]] = IdentityCach
 
 
 def _free_rows(
-    build: Any, matchers: list[Any], checked: _Checked, vocab_size: int, words: int
+    build: Any,
+    grammars: Sequence[Any],
+    requests: list[int],
+    checked: _Checked,
+    vocab_size: int,
+    words: int,
 ) -> list[np.ndarray]:
-    """Each reasoning matcher's free-text row: all allowed but the content end tokens its
-    grammar refuses first (read off its first mask, one one-node build for those not cached;
-    none without content end tokens)."""
+    """The free-text row of each reasoning request (``requests``: batch indices into
+    ``grammars``): all allowed but the content end tokens its grammar refuses first (read off
+    its first mask, one one-node build for those not cached; none without content end
+    tokens). A failing matcher is named by its batch index."""
+    matchers = [grammars[b] for b in requests]
     everything = np.full(words, ALL_ALLOWED, dtype=np.int32)
     if not checked.content_ends:
         return [everything] * len(matchers)
@@ -190,7 +197,11 @@ def _free_rows(
     if missing:
         zeros = np.zeros((len(missing), 1), dtype=np.int64)
         single = GrammarTree.from_host(zeros - 1, zeros - 1, zeros)
-        firsts = build([matchers[k] for k in missing], single, vocab_size)
+        try:
+            firsts = build([matchers[k] for k in missing], single, vocab_size)
+        except MatcherError as exc:
+            request = requests[missing[exc.request_index]]
+            raise MatcherError(request, exc.error) from exc.error
         for k, first in zip(missing, firsts.reshape(len(missing), words), strict=True):
             rows[k] = _free_row(first, checked.content_ends, words)
             _free_row_cache.put(matchers[k], (checked.content_ends, rows[k]))

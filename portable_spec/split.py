@@ -168,9 +168,18 @@ def walk_subtree(fork: Any, sub: Subtree, scratch: np.ndarray, vocab_limit: int)
     Returns False (nothing written) when the path leaves the grammar or the fork terminates
     before the subtree's root: the whole-tree walk would not reach the subtree either, and
     the builder's repair turns its rows into all-allowed rows.
+
+    Each path token is tested as the whole-tree walk tests it (in range and allowed by the
+    row before it) before the fork is asked to accept it: xgrammar logs a warning on stderr
+    for every token it cannot accept at all (ids past its tokenizer's vocabulary in a padded
+    model vocabulary, special tokens), and such drafts must not fill an engine's log.
     """
+    row = scratch[:1]  # written by the traversal afterwards
     for token in sub.path:
-        if fork.is_terminated() or not 0 <= token < vocab_limit or not fork.accept_token(token):
+        if fork.is_terminated() or not 0 <= token < vocab_limit:
+            return False
+        fork.fill_next_token_bitmask(row, 0)
+        if not (int(row[0, token >> 5]) >> (token & 31)) & 1 or not fork.accept_token(token):
             return False
     fork.traverse_draft_tree(sub.next_token, sub.next_sibling, sub.draft, scratch)
     return True

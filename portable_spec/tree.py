@@ -40,6 +40,8 @@ def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
         info = backend.array_info(array)
     except ValueError as exc:  # e.g. a JAX array deleted (donated) before staging
         raise ValueError(f"{name}: {exc}") from exc
+    except TypeError as exc:  # e.g. a torch meta tensor
+        raise TypeError(f"{name}: {exc}") from exc
     if not info.is_integer:
         raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
     if len(info.shape) not in (1, 2):
@@ -181,7 +183,14 @@ class GrammarTree:
         Same array conventions as :meth:`from_device`. Never blocks; a device array raises
         ``TypeError`` (use :meth:`from_device` for those).
         """
-        hosts = [_host_array(a) for a in (retrieve_next_token, retrieve_next_sibling, draft_tokens)]
+        hosts = []
+        for name, array in zip(
+            _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
+        ):
+            try:
+                hosts.append(_host_array(array))
+            except TypeError as exc:
+                raise TypeError(f"{name}: {exc}") from exc
         numpy_backend = get_backend("numpy")
         shape = hosts[0].shape
         if not (
@@ -321,9 +330,9 @@ class GrammarTree:
                     if position == 3:  # packed chains' offsets, staged from a device
                         slots[3] = _check_offsets(host, self.rows)
                     elif self._packed:
-                        slots[position] = _as_int64(host, (self.rows,))
+                        slots[position] = as_int64(host, (self.rows,))
                     else:
-                        slots[position] = _as_int64(host, shape)
+                        slots[position] = as_int64(host, shape)
             if self._packed:
                 if self._offsets is None:
                     self._offsets = offsets = slots[3]
@@ -390,12 +399,16 @@ def _primary(backends: list[Backend]) -> Backend:
     return backends[0]
 
 
-def _as_int64(array: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """A private C-contiguous int64 copy: the caller (or a staging pool) may reuse its buffer
-    after the tree is resolved, and the tree caches what it derived from the values."""
+def as_int64(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A private C-contiguous native int64 copy of an integer ``array`` reshaped to
+    ``shape``: the caller (or a staging pool) may reuse its buffer afterwards.
+
+    Values are converted, whatever the byte order; 64-bit unsigned values beyond int64 (never
+    node indices nor token ids) wrap like a C cast instead of raising.
+    """
     if array.dtype.kind == "u" and array.dtype.itemsize == 8:
-        # Values beyond int64 are neither node indices nor token ids; wrap like a C cast.
-        array = array.view(np.int64)
+        # to native order first: a view of a byte-swapped array would reinterpret its bytes
+        array = array.astype(np.uint64, copy=False).view(np.int64)
     return np.array(array.reshape(shape), dtype=np.int64, order="C", copy=True)
 
 

@@ -82,18 +82,21 @@ def test_row_capacity(target, batch_case, smollm2):
         assert (shard[own:] == -1).all()
 
 
-def _reference_masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def _reference_masked(logits: np.ndarray, mask: np.ndarray, vocab_size=None) -> np.ndarray:
     out = logits.astype(np.float64)
     covered = min(out.shape[1], 32 * mask.shape[1])
     bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :covered]
     out[:, :covered][bits == 0] = -np.inf
+    if vocab_size is not None:
+        out[:, vocab_size:] = -np.inf  # not tokens: banned in every row
     return out
 
 
 @pytest.mark.parametrize("vocab", [49152, 49155, 100])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_masked_logits(target, batch_case, smollm2, vocab, dtype):
-    """Kept logits are bit-identical, dropped ones -inf, columns past the mask untouched."""
+    """Kept logits are bit-identical, dropped ones -inf; logits padded past the mask (49155
+    columns, 49152 tokens) need vocab_size=, and every column past it is -inf."""
     if dtype not in target.float_dtypes:
         pytest.skip(f"{target.name} does not run {dtype} logits")
     requests, nt, ns, dt, want = batch_case
@@ -105,8 +108,13 @@ def test_masked_logits(target, batch_case, smollm2, vocab, dtype):
     mask = ps.build_grammar_vocab_mask(_matchers(requests), tree, smollm2.size)
     if vocab < 32 * smollm2.words:
         mask = target.put(mask_np)  # a mask as wide as these (narrow) logits
-    masked = target.get(ps.apply_vocab_mask(target.put(logits), mask))
-    reference = _reference_masked(logits, mask_np)
+    padded = vocab > 32 * smollm2.words
+    if padded:
+        with pytest.raises(ValueError, match="the mask covers only 49152 tokens"):
+            ps.apply_vocab_mask(target.put(logits), mask)
+    vocab_size = smollm2.size if padded else None
+    masked = target.get(ps.apply_vocab_mask(target.put(logits), mask, vocab_size=vocab_size))
+    reference = _reference_masked(logits, mask_np, vocab_size)
     assert masked.dtype == logits.dtype
     np.testing.assert_array_equal(masked.astype(np.float64), reference)
 

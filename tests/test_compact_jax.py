@@ -103,7 +103,7 @@ def test_compact_apply_is_fused(platform):
 def test_dense_apply_is_a_bitwise_select(dtype):
     """Special values survive exactly where allowed (NaN, infinities, -0.0, subnormals) and
     become -inf where dropped, as a select would give; vocab not a multiple of 32 and a mask
-    narrower than the logits (uncovered columns kept)."""
+    narrower than the logits (vocab_size=96: the columns past it -inf)."""
     vocab = 100
     finfo = jnp.finfo(dtype)
     specials = np.array(
@@ -114,12 +114,12 @@ def test_dense_apply_is_a_bitwise_select(dtype):
     logits = jnp.asarray(host, dtype=dtype)
     rng = np.random.default_rng(2)
     mask = rng.integers(-(2**31), 2**31, (3, 3), dtype=np.int64).astype(np.int32)  # 96 tokens
-    out = np.asarray(apply_vocab_mask_jax(logits, jnp.asarray(mask)))
+    out = np.asarray(apply_vocab_mask_jax(logits, jnp.asarray(mask), vocab_size=96))
     raw = np.asarray(logits)
     bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
     for r in range(3):
         for t in range(vocab):
-            if t < 96 and not bits[r, t]:
+            if t >= 96 or not bits[r, t]:
                 assert out[r, t] == -np.inf
             else:
                 assert raw[r, t].tobytes() == out[r, t].tobytes()  # bit-identical

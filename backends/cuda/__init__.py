@@ -33,6 +33,21 @@ __all__ = [
 ]
 
 
+def _check_readable(tensor: torch.Tensor) -> None:
+    """Raise ``TypeError`` for a tensor without data to copy (the ``meta`` device), not
+    strided (sparse layouts), or carrying a lazy negation or conjugation bit (``_neg_view``,
+    ``conj()``): its memory does not hold its values."""
+    if tensor.device.type == "meta":
+        raise TypeError("a tensor on the meta device has no data to copy")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"a tensor with layout {tensor.layout} is not a dense array")
+    if tensor.is_neg() or tensor.is_conj():
+        raise TypeError(
+            "a tensor with the negative or conjugate bit set does not hold its values in "
+            "memory; pass tensor.resolve_neg() / tensor.resolve_conj()"
+        )
+
+
 class TorchBackend(Backend):
     """Backend for ``torch.Tensor`` (registered as ``"cuda"``, alias ``"torch"``)."""
 
@@ -49,6 +64,9 @@ class TorchBackend(Backend):
         return isinstance(obj, (torch.Tensor, torch.device))
 
     def array_info(self, array: Any) -> ArrayInfo:
+        """Shape and dtype; ``TypeError`` for tensors whose values cannot be copied out as they
+        are (see :func:`_check_readable`)."""
+        _check_readable(array)
         dtype = array.dtype
         is_integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
         return ArrayInfo(tuple(array.shape), dtype, is_integer)
@@ -61,6 +79,7 @@ class TorchBackend(Backend):
         return stage_tensors(arrays, self.pool)
 
     def to_host(self, array: Any) -> np.ndarray:
+        _check_readable(array)
         if array.device.type != "cpu":
             raise TypeError(
                 f"a tensor on {array.device} is not a host array; use GrammarTree.from_device"
@@ -86,10 +105,12 @@ class TorchBackend(Backend):
             raise
         return upload_mask(buffer, target, self.pool, self.host_pool)
 
-    def apply_vocab_mask(self, logits: Any, mask: Any) -> torch.Tensor:
+    def apply_vocab_mask(
+        self, logits: Any, mask: Any, vocab_size: int | None = None
+    ) -> torch.Tensor:
         """In place, asynchronous on accelerators (queued on the logits' device's current
         stream, after the mask's upload); returns ``logits``."""
-        return apply_vocab_mask_torch(logits, mask)
+        return apply_vocab_mask_torch(logits, mask, vocab_size=vocab_size)
 
     def upload_compact(
         self, buffer: HostBuffer, mask: CompactMask, device: Any = None
@@ -103,10 +124,12 @@ class TorchBackend(Backend):
             raise
         return upload_compact_mask(buffer, mask, target, self.pool, self.host_pool)
 
-    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> torch.Tensor:
+    def apply_compact_mask(
+        self, logits: Any, mask: CompactMask, vocab_size: int | None = None
+    ) -> torch.Tensor:
         """In place on the listed rows, through xgrammar's kernels with ``indices=``; see
         :func:`portable_spec.backends.cuda.apply.apply_compact_mask_torch`."""
-        return apply_compact_mask_torch(logits, mask)
+        return apply_compact_mask_torch(logits, mask, vocab_size=vocab_size)
 
     def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
         """The caller's current stream on ``device`` (per thread in torch): the background

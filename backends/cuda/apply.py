@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 
-from portable_spec.masks import CompactMask
+from portable_spec.masks import CompactMask, apply_columns
 
 from .devices import device_guard, device_module
 from .upload import wait_until_ready
@@ -22,14 +22,22 @@ Kernel = Literal["auto", "triton", "cuda", "cpu", "torch_native"]
 
 
 def apply_vocab_mask_torch(
-    logits: torch.Tensor, mask: torch.Tensor, *, kernel: Kernel = "auto"
+    logits: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    kernel: Kernel = "auto",
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Set ``logits[i, t] = -inf`` where bit ``t`` of ``mask[i]`` is 0, in place.
 
     Args:
         logits: ``[rows, vocab]`` or ``[vocab]``, any floating dtype, any strides.
-        mask: int32 ``[rows, words]`` or ``[words]`` on the same device. Columns past
-            ``32 * words`` are left unchanged; mask words past the logits' width are ignored.
+        mask: int32 ``[rows, words]`` or ``[words]`` on the same device, covering every
+            column (``32 * words >= vocab``; mask words past the logits' width are ignored),
+            or ``None`` with ``vocab_size``.
+        vocab_size: columns at or past it are set to ``-inf`` in every row (the mask then
+            needs to cover only ``vocab_size`` tokens); see
+            :func:`portable_spec.apply_vocab_mask`.
         kernel: xgrammar's implementation to use: ``"auto"`` (C++ on CPU, Triton on CUDA,
             xgrammar's torch code for dtypes its kernels lack, such as float64), or one of
             ``"triton"``, ``"cuda"`` (compiled with nvcc on first use), ``"cpu"``,
@@ -43,6 +51,14 @@ def apply_vocab_mask_torch(
     """
     import xgrammar as xgr
 
+    if mask is None:
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
+        _, banned = apply_columns(logits.shape[-1], None, vocab_size)
+        if banned is not None:
+            with device_guard(logits.device):
+                logits[..., banned:].fill_(float("-inf"))
+        return logits
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor for torch logits, got {type(mask).__name__}")
     if not logits.is_floating_point():
@@ -63,7 +79,10 @@ def apply_vocab_mask_torch(
     # The kernels read a [words] mask with its row stride (1) as its width: one row each.
     logits_2d = logits.unsqueeze(0) if logits.dim() == 1 else logits
     mask_2d = mask.unsqueeze(0) if mask.dim() == 1 else mask
-    covered = min(logits_2d.shape[1], 32 * mask_2d.shape[1])
+    covered, banned = apply_columns(logits_2d.shape[1], mask_2d.shape[1], vocab_size)
+    if banned is not None and logits_rows:
+        with device_guard(logits.device):
+            logits_2d[:, banned:].fill_(float("-inf"))
     if covered == 0 or logits_rows == 0:
         return logits
     mask_2d = mask_2d[:, : -(-covered // 32)]  # the CUDA kernel refuses wider masks
@@ -102,7 +121,11 @@ def _kernel_layout(logits: torch.Tensor, kernel: str) -> torch.Tensor:
 
 
 def apply_compact_mask_torch(
-    logits: torch.Tensor, mask: CompactMask, *, kernel: Kernel = "auto"
+    logits: torch.Tensor,
+    mask: CompactMask,
+    *,
+    kernel: Kernel = "auto",
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Set ``logits[mask.rows[k], t] = -inf`` where bit ``t`` of ``mask.bits[k]`` is 0, in
     place, through xgrammar's kernels with ``indices=``; rows not listed are not touched.
@@ -112,6 +135,8 @@ def apply_compact_mask_torch(
             floating dtype, any strides.
         mask: a :class:`CompactMask` of int32 tensors on the logits' device.
         kernel: as for :func:`apply_vocab_mask_torch`.
+        vocab_size: as for :func:`apply_vocab_mask_torch`: columns at or past it are ``-inf``
+            in every row, listed or not; without it the bits must cover every column.
 
     xgrammar's kernels read bitmask row ``i`` for logits row ``i``. So the ``C`` entries are
     first scattered (``index_copy_``, on the device) into an uninitialised int32
@@ -149,7 +174,10 @@ def apply_compact_mask_torch(
     if kernel not in ("auto", "triton", "cuda", "cpu", "torch_native"):
         raise ValueError(f"unknown kernel {kernel!r}")
     logits_2d = logits.unsqueeze(0) if logits.dim() == 1 else logits
-    covered = min(logits_2d.shape[1], 32 * bits.shape[1])
+    covered, banned = apply_columns(logits_2d.shape[1], bits.shape[1], vocab_size)
+    if banned is not None and num_rows:
+        with device_guard(logits.device):
+            logits_2d[:, banned:].fill_(float("-inf"))
     if covered == 0 or num_rows == 0 or rows.shape[0] == 0:
         return logits
     used = -(-covered // 32)
@@ -166,7 +194,7 @@ def apply_compact_mask_torch(
         if huge > MAX_KERNEL_ELEMENTS:
             scratch.fill_(-1)
             scratch.index_copy_(0, rows.long(), bits[:, :used])
-            apply_vocab_mask_torch(logits_2d, scratch[:num_rows], kernel=kernel)
+            apply_vocab_mask_torch(logits_2d[:, :covered], scratch[:num_rows], kernel=kernel)
             return logits
         scratch[num_rows - 1].fill_(-1)
         scratch.index_copy_(0, rows.long(), bits[:, :used])

@@ -92,10 +92,12 @@ class JaxBackend(Backend):
             raise
         return upload_mask(buffer, placement, self.pool)
 
-    def apply_vocab_mask(self, logits: Any, mask: Any) -> jax.Array:
+    def apply_vocab_mask(self, logits: Any, mask: Any, vocab_size: int | None = None) -> jax.Array:
         """Functional (returns a new array); one jitted computation, inlined inside
-        ``jax.jit``."""
-        return apply_vocab_mask_jax(logits, mask)
+        ``jax.jit`` (``vocab_size`` is static)."""
+        if vocab_size is None:
+            return apply_vocab_mask_jax(logits, mask)
+        return apply_vocab_mask_jax(logits, mask, vocab_size=_static_int(vocab_size))
 
     def upload_compact(self, buffer: HostBuffer, mask: CompactMask, device: Any = None) -> Any:
         """``jax.device_put`` of the index and the bits (replicated over the devices of a
@@ -108,9 +110,11 @@ class JaxBackend(Backend):
             raise
         return upload_compact(buffer, mask, placement, self.pool)
 
-    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> jax.Array:
+    def apply_compact_mask(
+        self, logits: Any, mask: CompactMask, vocab_size: int | None = None
+    ) -> jax.Array:
         """Functional; pure and jit-traceable (see :func:`apply_compact_mask_jax`)."""
-        return apply_compact_mask_jax(logits, mask)
+        return apply_compact_mask_jax(logits, mask, _static_int(vocab_size))
 
     def capture_context(self, device: Any = None) -> Callable[[], AbstractContextManager[Any]]:
         """The caller's default device (``jax.default_device`` is per thread), for a mask whose
@@ -123,3 +127,11 @@ class JaxBackend(Backend):
     def describe(self) -> str:
         devices = jax.devices()
         return f"jax {jax.__version__} ({len(devices)} x {devices[0].platform})"
+
+
+def _static_int(vocab_size: Any) -> Any:
+    """``vocab_size`` as a Python int (a static argument of the jitted apply); other values
+    are passed on for :func:`portable_spec.masks.apply_columns` to refuse."""
+    if isinstance(vocab_size, (int, np.integer)) and not isinstance(vocab_size, bool):
+        return int(vocab_size)
+    return vocab_size

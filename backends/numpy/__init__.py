@@ -65,9 +65,9 @@ class NumpyBackend(Backend):
             raise ValueError(f"the numpy backend has no device {device!r}")
         return self.pool.lend(buffer)
 
-    def apply_vocab_mask(self, logits: Any, mask: Any) -> np.ndarray:
+    def apply_vocab_mask(self, logits: Any, mask: Any, vocab_size: int | None = None) -> np.ndarray:
         """In place on ``logits``; returns it. Synchronous."""
-        return apply_vocab_mask_numpy(logits, mask)
+        return apply_vocab_mask_numpy(logits, mask, vocab_size)
 
     def upload_compact(self, buffer: HostBuffer, mask: CompactMask, device: Any = None) -> Any:
         """The host CompactMask itself, its arrays lent from the pooled block (no copy): the
@@ -77,9 +77,12 @@ class NumpyBackend(Backend):
             raise ValueError(f"the numpy backend has no device {device!r}")
         return rebase_compact(mask, buffer.array, self.pool.lend(buffer))
 
-    def apply_compact_mask(self, logits: Any, mask: CompactMask) -> np.ndarray:
-        """In place on the listed rows of ``logits``; returns it. Synchronous."""
-        return apply_compact_mask_numpy(logits, mask)
+    def apply_compact_mask(
+        self, logits: Any, mask: CompactMask, vocab_size: int | None = None
+    ) -> np.ndarray:
+        """In place on the listed rows of ``logits`` (every row past ``vocab_size``); returns
+        it. Synchronous."""
+        return apply_compact_mask_numpy(logits, mask, vocab_size)
 
     def describe(self) -> str:
         return f"numpy {np.__version__} (host)"

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from portable_spec.masks import CompactMask
+from portable_spec.masks import CompactMask, apply_columns
 
 __all__ = ["apply_compact_mask_numpy", "apply_vocab_mask_numpy", "unpack_bitmask"]
 
@@ -31,12 +31,22 @@ def unpack_bitmask(mask: np.ndarray, vocab: int) -> np.ndarray:
     return allowed
 
 
-def apply_vocab_mask_numpy(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def apply_vocab_mask_numpy(
+    logits: np.ndarray, mask: np.ndarray | None, vocab_size: int | None = None
+) -> np.ndarray:
     """Write ``-inf`` into ``logits`` wherever ``mask`` disallows the token; return ``logits``.
 
-    ``logits``: writable floating ``[rows, vocab]`` or ``[vocab]``; ``mask``: integer
-    ``[rows, words]`` or ``[words]``. Synchronous.
+    ``logits``: writable floating ``[rows, vocab]`` or ``[vocab]``; ``mask``: int32
+    ``[rows, words]`` or ``[words]`` covering every column (``32 * words >= vocab``), or
+    ``None`` with ``vocab_size``. ``vocab_size``: columns at or past it are set to ``-inf``
+    in every row (see :func:`portable_spec.apply_vocab_mask`). Synchronous.
     """
+    if mask is None:
+        logits_2d = logits.reshape(1, -1) if logits.ndim == 1 else logits
+        _, banned = apply_columns(logits_2d.shape[-1], None, vocab_size)
+        if banned is not None:
+            logits_2d[:, banned:] = -np.inf
+        return logits
     if not isinstance(mask, np.ndarray):
         raise TypeError(f"mask must be a numpy array for numpy logits, got {type(mask).__name__}")
     if not np.issubdtype(logits.dtype, np.floating):
@@ -50,19 +60,24 @@ def apply_vocab_mask_numpy(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
             f"logits {logits.shape} and mask {mask.shape} must be [rows, vocab] and "
             "[rows, words] with the same rows"
         )
-    vocab = logits_2d.shape[1]
-    covered = min(vocab, 32 * mask_2d.shape[1])
+    covered, banned = apply_columns(logits_2d.shape[1], mask_2d.shape[1], vocab_size)
     allowed = unpack_bitmask(mask_2d, covered)
     np.copyto(logits_2d[:, :covered], -np.inf, where=~allowed)
+    if banned is not None:
+        logits_2d[:, banned:] = -np.inf
     return logits
 
 
-def apply_compact_mask_numpy(logits: np.ndarray, mask: CompactMask) -> np.ndarray:
+def apply_compact_mask_numpy(
+    logits: np.ndarray, mask: CompactMask, vocab_size: int | None = None
+) -> np.ndarray:
     """Write ``-inf`` into the listed rows of ``logits`` where ``mask`` disallows the token;
-    return ``logits``. Rows not listed (and padding entries) are not touched.
+    return ``logits``. Rows not listed (and padding entries) are not touched, except that
+    with ``vocab_size`` the columns at or past it are ``-inf`` in every row.
 
     ``logits``: writable floating ``[mask.num_rows, vocab]`` (or ``[vocab]`` when ``num_rows``
-    is 1); ``mask``: a :class:`CompactMask` of numpy int32 arrays. Synchronous.
+    is 1); ``mask``: a :class:`CompactMask` of numpy int32 arrays whose rows cover every
+    column (or ``vocab_size``). Synchronous.
     """
     rows, bits = mask.rows, mask.bits
     if not isinstance(rows, np.ndarray) or not isinstance(bits, np.ndarray):
@@ -82,9 +97,11 @@ def apply_compact_mask_numpy(logits: np.ndarray, mask: CompactMask) -> np.ndarra
         which, source = rows[: mask.count], bits[: mask.count]
     else:
         which, source = rows[real], bits[real]
-    covered = min(logits_2d.shape[1], 32 * bits.shape[1])
+    covered, banned = apply_columns(logits_2d.shape[1], bits.shape[1], vocab_size)
     for start in range(0, len(which), _CHUNK):
         dropped = ~unpack_bitmask(source[start : start + _CHUNK], covered)
         for k, row in enumerate(which[start : start + _CHUNK].tolist()):
             np.copyto(logits_2d[row, :covered], -np.inf, where=dropped[k])  # a view: in place
+    if banned is not None:
+        logits_2d[:, banned:] = -np.inf
     return logits

@@ -20,10 +20,19 @@ __all__ = ["generic_info", "take_token", "walk_generic"]
 def take_token(matcher: Any, token: int) -> int:
     """Take ``token``, which the parent's row allows, on a protocol matcher: a
     :mod:`portable_spec.engines.walk` outcome (``REFUSED`` when the matcher disagrees with its
-    own mask, ``ENDED_HELD`` when it terminates, else ``LIVE``)."""
+    own mask, ``ENDED_HELD`` when it terminates, else ``LIVE``).
+
+    Either the token is taken and an outcome returned, or nothing is held: if
+    ``is_terminated`` raises after the token was accepted, the token is rolled back before the
+    exception propagates (the caller has not counted it yet)."""
     if not matcher.accept_token(token):
         return REFUSED
-    return ENDED_HELD if matcher.is_terminated() else LIVE
+    try:
+        ended = matcher.is_terminated()
+    except BaseException:
+        matcher.rollback(1)
+        raise
+    return ENDED_HELD if ended else LIVE
 
 
 class _ProtocolSteps:

@@ -114,7 +114,12 @@ def take_token(matcher: Any, token: int, parent_stopped: bool) -> int:
         return ENDED_FREE
     if matcher.try_consume_tokens([token]) != 1:
         return REFUSED
-    return ENDED_HELD if ended(matcher) else LIVE
+    try:
+        stopped = ended(matcher)
+    except BaseException:  # nothing may stay held that the caller has not counted
+        matcher.rollback(1)
+        raise
+    return ENDED_HELD if stopped else LIVE
 
 
 class _LLSteps:

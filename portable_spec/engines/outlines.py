@@ -54,15 +54,29 @@ def probe_outlines(guide: Any, model_words: int) -> MatcherInfo:
 
     The width is the model's: the guide accepts any buffer at least as wide as its vocabulary
     and zeroes the words past it (a narrower model vocabulary raises ``ValueError`` naming
-    the guide's width). The depth bound is the ``max_rollback`` the guide was built with,
-    which outlines-core states in the error of a rollback past the stored states (that call
-    moves nothing); if the message changes, the states stored now are used, a lower bound.
+    the guide's width). What is cached is the narrowest width the guide accepted and its
+    depth, never the model's width of the first call: a guide first used with a padded
+    vocabulary serves the real one later. The depth bound is the ``max_rollback`` the guide
+    was built with, which outlines-core states in the error of a rollback past the stored
+    states (that call moves nothing); if the message changes, the states stored now are
+    used, a lower bound.
     """
-    info = _cache.get(guide)
-    if info is not None:
-        return info
-    probe = np.empty(model_words, dtype=np.int32)
-    guide.write_mask_into(probe.ctypes.data, model_words, 4)  # raises if narrower than its vocab
+    known = _cache.get(guide)
+    if known is not None and known.words == model_words:
+        return known
+    if known is None or model_words < known.words:
+        probe = np.empty(model_words, dtype=np.int32)
+        # raises if narrower than the guide's vocabulary
+        guide.write_mask_into(probe.ctypes.data, model_words, 4)
+    depth = known.max_depth if known is not None else _rollback_depth(guide)
+    info = MatcherInfo(words=model_words, vocab_size=32 * model_words, max_depth=depth)
+    if known is None or model_words < known.words:
+        _cache.put(guide, info)  # the narrowest width it accepted
+    return info
+
+
+def _rollback_depth(guide: Any) -> int:
+    """The ``max_rollback`` a guide was built with (see :func:`probe_outlines`)."""
     stored = int(guide.get_allowed_rollback())
     depth = stored
     try:
@@ -73,9 +87,7 @@ def probe_outlines(guide: Any, model_words: int) -> MatcherInfo:
             depth = int(found.group(1))
     else:  # outlines-core changed: a rollback past the stored states moved the guide
         raise TypeError("outlines_core.Guide.rollback_state no longer refuses to overrun")
-    info = MatcherInfo(words=model_words, vocab_size=32 * model_words, max_depth=depth)
-    _cache.put(guide, info)
-    return info
+    return depth
 
 
 #: bytes of mask rows kept by (guide, state) across builds
