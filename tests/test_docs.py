@@ -28,25 +28,12 @@ BLOCKS = [(doc, line, code) for doc in DOCS for line, code in blocks((ROOT / doc
 # materialises the masked logits): advice that donates for nothing must not ship.
 UNUSABLE_DONATION = "Some donated buffers were not usable"
 
-# Blocks of the porting guide's vLLM section that still use names defined in the blocks before
-# them (by their first line): expected to fail until they set themselves up; strict, so a fixed
-# one must leave this list.
-NOT_YET_SELF_CONTAINED = {
-    ("docs/porting.md", "k = 3"),
-    ("docs/porting.md", "rows = mask.reshape(2, k + 1, -1)"),
-    ("docs/porting.md", "ragged = np.array("),
-    ("docs/porting.md", "from types import SimpleNamespace"),
-}
-
-
 #: pages whose blocks take long all together (each loads a tokenizer, compiles a grammar)
 SLOW_DOCS = {"docs/porting.md"}
 
 
 def _case(doc: str, line: int, code: str) -> object:
     marks = [pytest.mark.slow] if doc in SLOW_DOCS else []
-    if (doc, code.split("\n", 1)[0]) in NOT_YET_SELF_CONTAINED:
-        marks.append(pytest.mark.xfail(reason="uses names of the blocks before it", strict=True))
     return pytest.param(doc, line, marks=marks, id=f"{doc}:{line}")
 
 

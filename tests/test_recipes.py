@@ -1,9 +1,9 @@
-"""The porting guide's vLLM and TensorRT-LLM recipes against those engines' own row semantics.
+"""The porting guide's TensorRT-LLM recipe against that engine's own row semantics.
 
-The recipes are the code blocks of ``docs/porting.md`` marked ``# recipe: vllm`` and
-``# recipe: tensorrt-llm``, executed as they are printed. The engines' behaviour is
-``tests/_engine_rows.py``: vLLM's serial fill and worker-side apply, TensorRT-LLM's build,
-``token_mask`` and rollback, re-implemented on their own fresh matchers. Both sides mask the
+The recipe is the code block of ``docs/porting.md`` marked ``# recipe: tensorrt-llm``,
+executed as it is printed. The engine's behaviour is ``tests/_engine_rows.py``: TensorRT-LLM's
+build, ``token_mask`` and rollback, re-implemented on its own fresh matchers. (vLLM is tested
+against vLLM itself: tests/real_vllm, through the plugin that replaces the manual recipe.) Both sides mask the
 same random logits (draft tokens boosted, so that verification accepts some), on SmolLM2's real
 vocabulary, and must agree on the masked logits of every row a verification can sample, on the
 tokens a greedy verification emits, and (TensorRT-LLM) on the matchers' states between steps.
@@ -23,20 +23,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xgrammar as xgr
 from _cases import allowed_tokens
 from _engine_rows import (
     PADDING,
     ReasoningParser,
     TrtGuidedDecoder,
     TrtRequest,
-    VllmRequest,
-    bit,
     greedy_verify,
     trt_apply,
-    vllm_apply,
-    vllm_grammar_bitmask,
-    vllm_schedule,
 )
 from _oracle import Request, matcher_state
 
@@ -68,15 +62,6 @@ def load_recipe(name: str, edits: Sequence[tuple[str, str]] = ()) -> dict[str, A
 
 def token_id(vocab: Any, text: str) -> int:
     return vocab.tokens.index(text)
-
-
-def parser_for(vocab: Any) -> ReasoningParser:
-    """``<|im_start|>`` stands for ``</think>``; ``{`` and ``x`` are implicit ends (``{`` a
-    first token JSON grammars accept, ``x`` one every sample grammar refuses first)."""
-    return ReasoningParser(
-        frozenset({token_id(vocab, "<|im_start|>")}),
-        frozenset({token_id(vocab, "{"), token_id(vocab, "x")}),
-    )
 
 
 def any_token(rng: np.random.Generator, vocab: Any) -> int:
@@ -159,210 +144,6 @@ def draft_logits(
             if token >= 0 and rng.random() < 0.85:
                 logits[n * width + i, token] += 30.0
     return logits
-
-
-# -- vLLM ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class VllmBatch:
-    """One scheduler step: the grammar requests, the running batch's order, the grammar list's
-    order and each request's drafts as the drafter wrote them (0..K, unpadded)."""
-
-    requests: dict[str, VllmRequest]
-    batch_ids: list[str]
-    structured_ids: list[str]
-    raw: dict[str, list[int]] = field(default_factory=dict)
-
-
-def draw_vllm_batch(
-    rng: np.random.Generator, vocab: Any, parser: ReasoningParser | None
-) -> VllmBatch:
-    """1..6 requests, some without a grammar, some (with ``parser``) still reasoning; the
-    grammar list in another order than the batch."""
-    count = int(rng.integers(1, 7))
-    batch = VllmBatch({}, [], [])
-    for r in range(count):
-        req_id = f"req{r}"
-        batch.batch_ids.append(req_id)
-        kind = rng.choice([None, *KINDS]) if r else str(rng.choice(KINDS))
-        if kind is None:
-            batch.raw[req_id] = draw_drafts(rng, vocab, None, False, None, K)
-            continue
-        request = Request(vocab.grammars[str(kind)])
-        reasoning = parser is not None and (r == 0 or rng.random() < 0.5)
-        if not reasoning:
-            committed_prefix(rng, vocab, request)
-        batch.requests[req_id] = VllmRequest(request, reasoning_ended=not reasoning)
-        batch.raw[req_id] = draw_drafts(rng, vocab, request, reasoning, parser, K)
-    batch.structured_ids = [str(i) for i in rng.permutation(list(batch.requests))]
-    rng.shuffle(batch.batch_ids)
-    return batch
-
-
-class VllmManager:
-    """vLLM's ``StructuredOutputManager`` as far as the recipe reads it, with the recipe's
-    ``grammar_bitmask`` as its method."""
-
-    def __init__(
-        self, recipe: dict[str, Any], vocab_size: int, k: int, parser: ReasoningParser | None
-    ) -> None:
-        self._recipe = recipe["grammar_bitmask"]
-        self.vllm_config = SimpleNamespace(
-            speculative_config=SimpleNamespace(num_speculative_tokens=k),
-            scheduler_config=SimpleNamespace(max_num_seqs=8),
-        )
-        self.backend = SimpleNamespace(
-            vocab_size=vocab_size,
-            allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, vocab_size),
-        )
-        self.reasoner = None
-        if parser is not None:
-            self.reasoner = SimpleNamespace(
-                end_token_ids=sorted(parser.end_ids),
-                implicit_end_token_ids=sorted(parser.implicit_end_ids),
-            )
-        self._grammar_bitmask = None
-
-    def should_fill_bitmask(self, request: Any) -> bool:
-        return self.reasoner is None or request.structured_output_request.reasoning_ended
-
-    def grammar_bitmask(self, *args: Any) -> Any:
-        return self._recipe(self, *args)
-
-
-def vllm_step(
-    vocab: Any,
-    batch: VllmBatch,
-    parser: ReasoningParser | None,
-    after_failure: str,
-    recipe: dict[str, Any],
-    rng: np.random.Generator,
-) -> int:
-    """Run one step both ways and compare; returns how many rows differ (each one a row no
-    verification can reach). vLLM gets its scheduled drafts (validated where it validates,
-    ``-1``-padded); the recipe gets the drafts as written (only padded)."""
-    size, words = vocab.size, vocab.words
-    stops = frozenset({vocab.eos})
-    scheduled = {
-        rid: vllm_schedule(batch.requests.get(rid), batch.raw[rid], K) for rid in batch.batch_ids
-    }
-    padded = {rid: vllm_schedule(None, batch.raw[rid], K) for rid in batch.batch_ids}
-    theirs = vllm_grammar_bitmask(
-        batch.requests, batch.structured_ids, scheduled, K, words, size, parser, after_failure
-    )
-
-    manager = VllmManager(recipe, size, K, parser)
-    ours_requests = {}
-    for rid, request in batch.requests.items():
-        grammar = SimpleNamespace(matcher=request.grammar.fresh())
-        state = SimpleNamespace(grammar=grammar, reasoning_ended=request.reasoning_ended)
-        ours_requests[rid] = SimpleNamespace(structured_output_request=state)
-    before = {
-        rid: matcher_state(r.structured_output_request.grammar.matcher, PROBE, words)
-        for rid, r in ours_requests.items()
-    }
-    raw = {rid: list(batch.raw[rid]) for rid in batch.batch_ids}
-    ours = manager.grammar_bitmask(ours_requests, batch.structured_ids, raw)
-    ours = None if ours is None else np.array(ours)
-    for rid, r in ours_requests.items():
-        assert (
-            matcher_state(r.structured_output_request.grammar.matcher, PROBE, words)
-            == (before[rid])
-        ), f"{rid}: the recipe moved the matcher"
-    assert (ours is None) == (theirs is None)
-    if theirs is None:
-        return 0
-    assert ours.shape == theirs.shape == (len(batch.structured_ids) * (K + 1), words)
-
-    logits = draft_logits(rng, size, [padded[rid] for rid in batch.batch_ids], K + 1)
-    masked_theirs = vllm_apply(logits, theirs, batch.batch_ids, batch.structured_ids, K)
-    masked_ours = vllm_apply(logits, ours, batch.batch_ids, batch.structured_ids, K)
-    differing = 0
-    for position, rid in enumerate(batch.batch_ids):
-        span = slice(position * (K + 1), (position + 1) * (K + 1))
-        emitted_theirs = greedy_verify(masked_theirs[span], scheduled[rid], stops)
-        emitted_ours = greedy_verify(masked_ours[span], padded[rid], stops)
-        assert emitted_ours == emitted_theirs, f"{rid}: verification emits different tokens"
-        if rid not in batch.requests:
-            np.testing.assert_array_equal(masked_ours[span], logits[span])
-            continue
-        n = batch.structured_ids.index(rid)
-        rows_theirs = theirs[n * (K + 1) : (n + 1) * (K + 1)]
-        rows_ours = ours[n * (K + 1) : (n + 1) * (K + 1)]
-        accepted, sampled = reachable(rows_theirs, scheduled[rid], stops)
-        assert reachable(rows_ours, padded[rid], stops)[1] == sampled, rid
-        for i in sampled:
-            row = position * (K + 1) + i
-            np.testing.assert_array_equal(masked_ours[row], masked_theirs[row], err_msg=rid)
-        different = [i for i in range(K + 1) if not np.array_equal(rows_ours[i], rows_theirs[i])]
-        assert not set(different) & set(sampled), f"{rid}: sampled rows {different} differ"
-        validated = batch.requests[rid].reasoning_ended
-        if validated or after_failure == "full":
-            assert not different, f"{rid}: rows {different} differ (nothing may, here)"
-        differing += len(different)
-        if validated:  # the recipe's count is what validate_tokens kept
-            kept = sum(1 for t in scheduled[rid] if t != PADDING)
-            assert manager.num_acceptable_drafts[n] == kept, rid
-            assert accepted <= kept
-    return differing
-
-
-def reachable(
-    rows: np.ndarray, drafts: Sequence[int], stop_ids: frozenset[int]
-) -> tuple[int, list[int]]:
-    """``(drafts a verification can accept, rows it can sample)`` under these masks: a draft
-    is accepted only if its row allows it (``-1`` never), the request ends at a stop token."""
-    sampled = [0]
-    for i, token in enumerate(drafts):
-        if token < 0 or not bit(rows[i], token):
-            return i, sampled
-        if token in stop_ids:
-            return i + 1, sampled
-        sampled.append(i + 1)
-    return len(drafts), sampled
-
-
-@pytest.fixture(scope="module")
-def vllm_recipe() -> dict[str, Any]:
-    return load_recipe("vllm")
-
-
-@pytest.mark.parametrize("after_failure", ["copy", "full"])
-@pytest.mark.parametrize("reasoning", [False, True], ids=["no-reasoning", "reasoning"])
-def test_vllm_recipe_matches_vllm(smollm2, vllm_recipe, reasoning, after_failure):
-    """Ragged chains, requests absent from the grammar list, validated drafts, reasoning
-    requests: identical rows except (reasoning, ``copy``) rows after a refused draft, which no
-    verification samples, and which do occur in these draws."""
-    parser = parser_for(smollm2) if reasoning else None
-    differing = 0
-    for seed in SEEDS:
-        rng = np.random.default_rng([seed, reasoning, after_failure == "copy"])
-        batch = draw_vllm_batch(rng, smollm2, parser)
-        differing += vllm_step(smollm2, batch, parser, after_failure, vllm_recipe, rng)
-    if reasoning and after_failure == "copy":
-        assert differing > 0, "no draw refused a draft on vLLM's unvalidated path"
-    else:
-        assert differing == 0
-
-
-def test_vllm_reasoning_end_anywhere_in_the_window(smollm2, vllm_recipe):
-    """The end token at every draft position, explicit and implicit (accepted and refused as
-    first content), with a grammar-valid answer after it: row for row as vLLM."""
-    parser = parser_for(smollm2)
-    end, brace, letter = (token_id(smollm2, t) for t in ("<|im_start|>", "{", "x"))
-    quote = token_id(smollm2, '"')
-    rng = np.random.default_rng(5)
-    for marker in (end, brace, letter):
-        for j in range(K):
-            drafts = [any_token(rng, smollm2) for _ in range(j)] + [marker]
-            answer = [brace, quote] if marker == end else [quote]
-            drafts = (drafts + answer)[:K]
-            request = Request(smollm2.grammars["json_schema"])
-            batch = VllmBatch(
-                {"r": VllmRequest(request, reasoning_ended=False)}, ["r"], ["r"], {"r": drafts}
-            )
-            assert vllm_step(smollm2, batch, parser, "full", vllm_recipe, rng) == 0
 
 
 # -- TensorRT-LLM ----------------------------------------------------------------------------------
@@ -531,31 +312,6 @@ def test_tensorrt_llm_recipe_matches_tensorrt_llm(smollm2, trt_recipe, seed):
 
 
 # -- the comparisons can fail --------------------------------------------------------------------
-
-VLLM_BREAKS = {
-    "drafts shifted onto node 0": ("chains[b, 1 : 1 + len(drafts)]", "chains[b, : len(drafts)]"),
-    "grammar list order ignored": (
-        "for b, req_id in enumerate(structured_output_request_ids):",
-        "for b, req_id in enumerate(reversed(structured_output_request_ids)):",
-    ),
-    "no reasoning rule": ("reasoning=ends,", "reasoning=None,"),
-    "reasoning from the root everywhere": (
-        "reasoning[b] = not self.should_fill_bitmask(request)",
-        "reasoning[b] = True",
-    ),
-}
-
-
-@pytest.mark.parametrize("broken", sorted(VLLM_BREAKS))
-def test_a_broken_vllm_recipe_is_caught(smollm2, broken):
-    recipe = load_recipe("vllm", [VLLM_BREAKS[broken]])
-    parser = parser_for(smollm2)
-    with pytest.raises(AssertionError):
-        for seed in SEEDS:
-            rng = np.random.default_rng([seed, 1, 1])
-            batch = draw_vllm_batch(rng, smollm2, parser)
-            vllm_step(smollm2, batch, parser, "full", recipe, rng)
-
 
 TRT_BREAKS = {
     "new token not taken": ("not matcher.accept_token(new_token)", "False"),

@@ -1,0 +1,308 @@
+"""The plugin's rows against vLLM's own ``StructuredOutputManager.grammar_bitmask``, replayed.
+
+No engine: vLLM's real method runs on a manager holding vLLM's real grammar wrappers
+(xgrammar, guidance, outlines) over SmolLM2's tokenizer, on random steps (requests advanced
+into random grammar states; drafts the grammar accepts, refuses, ends with EOS or pads with
+-1; reasoning requests whose end token falls anywhere in the window), and the plugin's build
+must write the same rows: vLLM 0.32's packed layout with 0.32's method, and 0.33's strided
+layout with 0.33's method where its source is at hand (scripts/setup-vllm.sh fetches it).
+Every matcher must be back in its state after both builds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.v1.structured_output import StructuredOutputManager as Manager032  # noqa: E402
+from vllm.v1.structured_output.backend_guidance import GuidanceGrammar  # noqa: E402
+from vllm.v1.structured_output.backend_outlines import OutlinesGrammar  # noqa: E402
+from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
+
+from portable_spec.integrations import vllm as plugin  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MODEL = os.environ.get("PORTABLE_SPEC_VLLM_MODEL", os.path.join(ROOT, ".vllm-model"))
+V033 = os.environ.get(
+    "PORTABLE_SPEC_VLLM033_SOURCE",
+    os.path.join(ROOT, ".venv-vllm", "vllm-0.33.0", "structured_output.py"),
+)
+K = 4
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+        },
+        "required": ["ok", "tags"],
+        "additionalProperties": False,
+    },
+]
+
+
+def _manager_033():
+    if not os.path.exists(V033):
+        pytest.skip(f"vLLM 0.33's structured_output/__init__.py not at {V033}")
+    spec = importlib.util.spec_from_file_location("vllm033_structured_output", V033)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StructuredOutputManager
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not os.path.exists(os.path.join(MODEL, "tokenizer.json")):
+        pytest.skip(f"no model directory at {MODEL}: run scripts/setup-vllm.sh")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def factories(tokenizer):
+    """backend name -> (make a fresh wrapper for schema i, allocate rows)."""
+    return make_factories(tokenizer)
+
+
+def make_factories(tokenizer):
+    """backend name -> (make a fresh wrapper for schema i, allocate rows)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    import outlines_core as oc
+    import xgrammar as xgr
+    from vllm.v1.structured_output.utils import get_outlines_vocabulary
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = [compiler.compile_json_schema(s, any_whitespace=False) for s in SCHEMAS]
+
+    def xgrammar_wrapper(i):
+        return XgrammarGrammar(
+            vocab_size=VOCAB, matcher=xgr.GrammarMatcher(compiled[i]), ctx=compiled[i]
+        )
+
+    ll_tok = llguidance.hf.from_tokenizer(tokenizer)
+    ll_grammars = [llguidance.LLMatcher.grammar_from_json_schema(s) for s in SCHEMAS]
+
+    def guidance_wrapper(i):
+        return GuidanceGrammar(
+            ll_matcher=llguidance.LLMatcher(ll_tok, ll_grammars[i]),
+            ll_tokenizer=ll_tok,
+            vocab_size=VOCAB,
+        )
+
+    vocabulary = get_outlines_vocabulary(tokenizer)
+    import json
+
+    indexes = [
+        oc.Index(oc.json_schema.build_regex_from_schema(json.dumps(s)), vocabulary.inner)
+        for s in SCHEMAS
+    ]
+
+    def outlines_wrapper(i):
+        return OutlinesGrammar(
+            vocab_size=VOCAB,
+            eos_token_id=vocabulary.inner.get_eos_token_id(),
+            guide=oc.Guide(indexes[i], max_rollback=K),
+        )
+
+    return {
+        "xgrammar": (xgrammar_wrapper, lambda n: xgr.allocate_token_bitmask(n, VOCAB)),
+        "guidance": (
+            guidance_wrapper,
+            lambda n: llguidance.torch.allocate_token_bitmask(n, ll_tok.vocab_size),
+        ),
+        "outlines": (
+            outlines_wrapper,
+            lambda n: torch.full((n, (VOCAB + 31) // 32), -1, dtype=torch.int32),
+        ),
+    }
+
+
+END = 1  # the stand-in reasoning end token
+
+
+class EndTokenReasoner:
+    """A reasoning parser whose reasoning ends at token END (vLLM's parser interface)."""
+
+    def __init__(self, tokenizer, **kwargs):
+        self.tokenizer = tokenizer
+
+    def is_reasoning_end(self, input_ids):
+        return END in input_ids
+
+    def is_reasoning_end_streaming(self, input_ids, delta_ids):
+        return END in delta_ids
+
+
+def _manager(cls, allocate, reasoning):
+    manager = object.__new__(cls)  # vLLM's class and methods; the fields its fill reads
+    manager.vllm_config = SimpleNamespace(
+        num_speculative_tokens=K,
+        model_config=SimpleNamespace(is_diffusion=False),
+        scheduler_config=SimpleNamespace(max_num_seqs=16),
+    )
+    manager.backend = SimpleNamespace(allocate_token_bitmask=allocate)
+    manager._grammar_bitmask = None
+    manager._full_mask = torch.tensor(-1, dtype=torch.int32)
+    manager.fill_bitmask_parallel_threshold = 128
+    manager.enable_in_reasoning = False
+    manager.reasoner_cls = EndTokenReasoner if reasoning else None
+    manager.tokenizer = None
+    return manager
+
+
+def _allowed(wrapper, scratch):
+    wrapper.fill_bitmask(scratch, 0)
+    bits = scratch[0].numpy().view(np.uint32)
+    ids = np.flatnonzero((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
+    return ids[ids < VOCAB]
+
+
+def _random_request(rng, make, scratch, reasoning):
+    """A request in a random grammar state, with its drafts (the wrapper back in that state)."""
+    wrapper = make(rng.randrange(len(SCHEMAS)))
+    eos = 0  # SmolLM2's <|endoftext|>
+    for _ in range(rng.randrange(12)):  # committed answer tokens
+        allowed = [t for t in _allowed(wrapper, scratch).tolist() if t != eos]
+        if not allowed or wrapper.is_terminated():
+            break
+        assert wrapper.accept_tokens("r", [rng.choice(allowed)])
+    drafts, advanced = [], 0
+    kind = rng.choice(["valid", "valid", "refused", "padded", "eos"])
+    length = rng.randrange(K + 1)
+    while len(drafts) < length and not wrapper.is_terminated():  # (a stop token ends it too)
+        allowed = _allowed(wrapper, scratch).tolist()
+        if kind == "eos" and eos in allowed:
+            drafts.append(eos)
+            break
+        allowed = [t for t in allowed if t != eos]
+        if not allowed:
+            break
+        if kind == "refused" and len(drafts) == length - 1:
+            taken = set(allowed)
+            refused = [t for t in rng.sample(range(2, VOCAB), 256) if t not in taken]
+            if refused:
+                drafts.append(refused[0])
+                break
+        token = rng.choice(allowed)
+        assert wrapper.accept_tokens("r", [token])
+        drafts.append(token)
+        advanced += 1
+    if advanced:
+        wrapper.rollback(advanced)
+    if kind == "padded" and drafts:
+        cut = rng.randrange(len(drafts))
+        drafts = drafts[:cut] + [-1] * (len(drafts) - cut)
+    state = SimpleNamespace(
+        grammar=wrapper,
+        reasoning_ended=None,
+        reasoner=None,
+        reasoning_parser_kwargs=None,
+        masked_reasoning_end_ids=None,
+    )
+    prompt = [5, 6, 7]
+    if reasoning and rng.random() < 0.6:  # still reasoning: the end token somewhere, or not
+        state.reasoning_ended = False
+        if drafts and rng.random() < 0.7:
+            at = rng.randrange(len(drafts))
+            drafts = [*[rng.randrange(2, 100) for _ in range(at)], END, *drafts[: K - at - 1]]
+        else:
+            drafts = [rng.randrange(2, 100) for _ in range(len(drafts))]
+    elif reasoning:
+        state.reasoning_ended = True
+    request = SimpleNamespace(
+        request_id=str(id(wrapper)),
+        structured_output_request=state,
+        prompt_token_ids=prompt,
+        all_token_ids=[*prompt, 9, 9],
+        use_structured_output=True,
+    )
+    return request, drafts
+
+
+def _root_rows(requests, scratch):
+    rows = []
+    for request in requests.values():
+        wrapper = request.structured_output_request.grammar
+        wrapper.fill_bitmask(scratch, 0)
+        rows.append((wrapper.is_terminated(), scratch[0].clone()))
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance", "outlines"])
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_rows_match_vllms_own_fill(factories, backend, version, reasoning):
+    cls = Manager032 if version == "0.32" else _manager_033()
+    layout = plugin.LAYOUTS[version]
+    make, allocate = factories[backend]
+    rng = random.Random(f"{backend}/{version}/{reasoning}")
+    scratch = allocate(1)
+    manager = _manager(cls, allocate, reasoning)
+    compared = refused = 0
+    for _step in range(25):
+        batch = rng.randrange(1, 9)
+        pairs = [_random_request(rng, make, scratch, reasoning) for _ in range(batch)]
+        requests = {r.request_id: r for r, _ in pairs}
+        spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
+        ids = list(requests)
+        before = _root_rows(requests, scratch)
+        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        assert ours is not None
+        unwritten = list(manager._portable_spec_unwritten)
+        after = _root_rows(requests, scratch)  # the plugin's walk left every matcher as it was
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and torch.equal(r0, r1)
+        # (vLLM's own fill may not: a refused draft puts an llguidance matcher in its error
+        # state; such steps come last in a request's life here, fresh requests each step.)
+        theirs = cls.grammar_bitmask(manager, requests, ids, spec)
+        assert ours.shape == theirs.shape
+        keep = np.ones(len(ours), dtype=bool)
+        keep[unwritten] = False
+        differing = np.flatnonzero((ours != theirs).any(axis=1) & keep)
+        assert differing.size == 0, f"rows {differing.tolist()} differ (step {_step})"
+        compared += int(keep.sum())
+        refused += sum(1 for _, d in pairs if d and d[-1] not in (-1, 0))
+    assert compared > 100
+
+
+def test_off_by_default(monkeypatch):
+    """Installed and registered, the plugin changes nothing until PORTABLE_SPEC_VLLM asks."""
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    before = Manager032.grammar_bitmask
+    plugin.register()
+    assert Manager032.grammar_bitmask is before
+    monkeypatch.setenv(plugin.ENV_VAR, "0")
+    plugin.register()
+    assert Manager032.grammar_bitmask is before
+
+
+def test_unknown_version_keeps_vllms_fill(monkeypatch, caplog):
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    before = Manager032.grammar_bitmask
+    plugin.register()
+    assert Manager032.grammar_bitmask is before
+    assert plugin.layout_for("0.99.0") is None
+    assert plugin.layout_for("0.32.0") == "packed" and plugin.layout_for("0.33.1") == "strided"
