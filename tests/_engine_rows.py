@@ -1,37 +1,9 @@
-"""How vLLM (0.33) and TensorRT-LLM lay out and fill the grammar rows of a speculative step,
+"""How TensorRT-LLM lays out and fills the grammar rows of a speculative step,
 re-implemented in our own words, for the recipe tests (``tests/test_recipes.py``).
 
 Nothing here calls portable_spec. Every engine model advances its *own* matchers, made fresh
 from a :class:`_oracle.Request` (the grammar and the request's committed tokens), exactly as
 that engine moves its matchers; the library under test gets separate matchers.
-
-**vLLM v1** (``StructuredOutputManager.grammar_bitmask`` and the worker's apply):
-
-* The manager lists only requests with a grammar (``structured_output_request_ids``), in that
-  order; every request occupies ``K + 1`` rows (``K`` = ``num_speculative_tokens``: one row
-  per draft position and one for the bonus token). Drafts are padded with ``-1`` to ``K``.
-* Row ``i`` of a request is the mask after its first ``i`` drafts. It is filled serially on
-  the request's matcher: fill row ``i``, then accept draft ``i``, ... and roll back at the end.
-* A ``-1`` draft stops the walk: every later row is all-allowed. A terminated matcher (the
-  end token was accepted) gives all-allowed rows.
-* Requests whose reasoning has ended get their drafts validated before scheduling
-  (``validate_tokens``: the longest prefix the grammar accepts, stopping after a token that
-  terminates it; the rest becomes ``-1``), so every accept succeeds. Requests still reasoning
-  are not validated: their drafts reach the fill as the drafter wrote them.
-* Reasoning: while the request reasons, rows allow everything except the *implicit* end tokens
-  (tokens that end the reasoning and are also the answer's first token, such as a tool-call
-  start) that the grammar would refuse as its first token. Scanning the drafts, an explicit end
-  token at draft ``j`` starts the grammar after it (the grammar consumes drafts from ``j + 1``,
-  rows from ``j + 1`` are the grammar's); an implicit end at ``j`` is consumed by the grammar
-  (drafts from ``j``; rows from ``j + 1``). These are ``_get_constraint_bounds``'s
-  ``grammar_start`` and ``constraint_start``.
-* A draft the grammar refuses on that unvalidated path ends the walk: the rows after it repeat
-  the last row written (``after_failure="copy"``, the convention the issue reports for 0.33) or
-  are all-allowed (``"full"``, what the ``failed`` flag of the loop quoted in vLLM PR #54442
-  gives). Both are modelled; neither row can be sampled (the draft is refused by the row before
-  it, so the verify rejects it).
-* The worker maps each request's rows onto its logits rows by request id (requests without a
-  grammar keep their logits) and sets the logits of refused tokens to ``-inf``.
 
 **TensorRT-LLM** (``GuidedDecoder._build``, ``_rollback_rejected_tokens``, the
 ``logits_bitmask`` kernel):
@@ -61,9 +33,6 @@ ALL_ALLOWED = -1
 PADDING = -1  # a draft position with no draft (vLLM's placeholder)
 
 
-def words_of(vocab: int) -> int:
-    """int32 words of a ``vocab``-token row."""
-    return -(-vocab // 32)
 
 
 def bit(row: np.ndarray, token: int) -> bool:
@@ -85,7 +54,7 @@ def masked_logits(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.where(bits.astype(bool), logits, -np.inf)
 
 
-# -- vLLM ----------------------------------------------------------------------------------------
+# -- reasoning -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -96,163 +65,6 @@ class ReasoningParser:
 
     end_ids: frozenset[int]
     implicit_end_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class VllmRequest:
-    """A vLLM request with a grammar: its grammar and committed answer tokens, and whether its
-    reasoning had ended before this step (``structured_output_request.reasoning_ended``)."""
-
-    grammar: Request
-    reasoning_ended: bool = True
-
-
-def vllm_validate_tokens(request: VllmRequest, drafts: Sequence[int]) -> list[int]:
-    """``validate_tokens``: the longest prefix of ``drafts`` the grammar accepts from the
-    committed state, ending after a token that terminates it (a fresh matcher; nothing kept)."""
-    matcher = request.grammar.fresh()
-    kept: list[int] = []
-    for token in drafts:
-        if matcher.is_terminated() or not matcher.accept_token(int(token)):
-            break
-        kept.append(int(token))
-    return kept
-
-
-def vllm_schedule(
-    request: VllmRequest | None, drafts: Sequence[int], k: int, validate: bool = True
-) -> list[int]:
-    """The drafts vLLM hands to ``grammar_bitmask`` for a request: validated when its reasoning
-    has ended (and ``validate``), then padded with ``-1`` to ``k`` (the fixed row stride)."""
-    drafts = [int(t) for t in drafts]
-    if request is not None and request.reasoning_ended and validate:
-        drafts = vllm_validate_tokens(request, drafts)
-    return drafts + [PADDING] * (k - len(drafts))
-
-
-def vllm_constraint_bounds(
-    request: VllmRequest, drafts: Sequence[int], parser: ReasoningParser | None
-) -> tuple[int, int]:
-    """``(grammar_start, constraint_start)``: the first draft the grammar consumes and the
-    first row it fills. Past the window (``len(drafts) + 1``) when the reasoning does not end
-    in it."""
-    if parser is None or request.reasoning_ended:
-        return 0, 0
-    for j, token in enumerate(drafts):
-        if token == PADDING:
-            break
-        if token in parser.end_ids:
-            return j + 1, j + 1
-        if token in parser.implicit_end_ids:
-            return j, j + 1
-    beyond = len(drafts) + 1
-    return beyond, beyond
-
-
-def vllm_reasoning_row(
-    request: VllmRequest, parser: ReasoningParser, words: int, vocab: int
-) -> np.ndarray:
-    """The row of a position still reasoning: all allowed but the implicit end tokens the
-    grammar refuses as its first token (``_masked_reasoning_ends``)."""
-    row = np.full(words, ALL_ALLOWED, dtype=np.int32)
-    first = grammar_row(request.grammar.fresh(), words)
-    unsigned = row.view(np.uint32)
-    for token in parser.implicit_end_ids:
-        if 0 <= token < vocab and not bit(first, token):
-            unsigned[token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
-    return row
-
-
-def vllm_request_rows(
-    request: VllmRequest,
-    drafts: Sequence[int],
-    words: int,
-    vocab: int,
-    parser: ReasoningParser | None = None,
-    after_failure: str = "copy",
-) -> np.ndarray:
-    """One request's ``[len(drafts) + 1, words]`` rows as vLLM's serial fill writes them
-    (``drafts`` as scheduled: ``-1`` padded). ``after_failure``: ``"copy"`` or ``"full"``, the
-    rows after a draft the grammar refuses on the unvalidated path (see the module doc)."""
-    if after_failure not in ("copy", "full"):
-        raise ValueError(f"after_failure must be 'copy' or 'full', got {after_failure!r}")
-    k = len(drafts)
-    grammar_start, constraint_start = vllm_constraint_bounds(request, drafts, parser)
-    reasoning = (
-        vllm_reasoning_row(request, parser, words, vocab)
-        if parser is not None and constraint_start > 0
-        else None
-    )
-    full = np.full(words, ALL_ALLOWED, dtype=np.int32)
-    matcher = request.grammar.fresh()
-    rows = np.empty((k + 1, words), dtype=np.int32)
-    padded = failed = False
-    for i in range(k + 1):
-        if padded:
-            rows[i] = full
-        elif i < constraint_start:
-            assert reasoning is not None
-            rows[i] = reasoning
-        elif failed:
-            rows[i] = rows[i - 1] if after_failure == "copy" else full
-        elif matcher.is_terminated():
-            rows[i] = full
-        else:
-            rows[i] = grammar_row(matcher, words)
-        if i == k:
-            break
-        token = int(drafts[i])
-        if token == PADDING:
-            padded = True
-        elif i >= grammar_start and not failed and not matcher.is_terminated():
-            failed = not matcher.accept_token(token)
-    return rows
-
-
-def vllm_grammar_bitmask(
-    requests: dict[str, VllmRequest],
-    structured_ids: Sequence[str],
-    scheduled: dict[str, list[int]],
-    k: int,
-    words: int,
-    vocab: int,
-    parser: ReasoningParser | None = None,
-    after_failure: str = "copy",
-) -> np.ndarray | None:
-    """The manager's bitmask: ``K + 1`` rows per request of ``structured_ids``, in that order
-    (``None`` when no request has a grammar). ``scheduled`` holds the drafts as scheduled."""
-    if not structured_ids:
-        return None
-    blocks = []
-    for req_id in structured_ids:
-        drafts = scheduled.get(req_id, [])
-        drafts = list(drafts) + [PADDING] * (k - len(drafts))
-        blocks.append(
-            vllm_request_rows(requests[req_id], drafts, words, vocab, parser, after_failure)
-        )
-    return np.concatenate(blocks)
-
-
-def vllm_apply(
-    logits: np.ndarray,
-    bitmask: np.ndarray | None,
-    batch_ids: Sequence[str],
-    structured_ids: Sequence[str],
-    k: int,
-) -> np.ndarray:
-    """The worker side: ``logits`` has ``K + 1`` rows per request in the running batch's order
-    (``batch_ids``); each grammar request's rows get its bitmask rows, found by request id; the
-    others are left as they are. Returns the masked logits (a copy)."""
-    out = logits.copy()
-    if bitmask is None:
-        return out
-    source = {req_id: n * (k + 1) for n, req_id in enumerate(structured_ids)}
-    for position, req_id in enumerate(batch_ids):
-        if req_id in source:
-            rows = slice(position * (k + 1), (position + 1) * (k + 1))
-            start = source[req_id]
-            out[rows] = masked_logits(logits[rows], bitmask[start : start + k + 1])
-    return out
 
 
 # -- TensorRT-LLM ----------------------------------------------------------------------------------

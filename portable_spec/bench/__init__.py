@@ -754,7 +754,7 @@ def _print_tables(payload: dict[str, Any], file: Any) -> None:
         out(f"## vLLM-style chains ({cores} cores, {meta['threads']} portable_spec threads)")
         out()
         out(
-            "The vLLM recipe's build (K drafts + 1 bonus row per request, part of the batch "
+            "The strided chain build (K drafts + 1 bonus row per request, part of the batch "
             "still reasoning) against vLLM's serial per-token fill; `vs X` = X's median / "
             "portable_spec's median."
         )

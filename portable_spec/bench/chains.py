@@ -10,8 +10,8 @@ start). ``<|im_start|>`` stands for ``</think>``. Every round draws a random bat
 pool.
 
 ``portable_spec``
-    What the vLLM recipe of ``docs/porting.md`` runs: the ``[batch, K + 1]`` chain array from
-    the per-request draft lists, ``Reasoning`` for the requests still reasoning, then
+    A strided chain build (vLLM 0.33's layout, porting guide section 3): the
+    ``[batch, K + 1]`` chain array from the per-request draft lists, ``Reasoning`` for the requests still reasoning, then
     ``build_host_bitmask(..., out=buffer, reasoning=..., return_valid=True)`` on the drafts as
     the drafter wrote them.
 ``serial_fill``
@@ -25,7 +25,7 @@ pool.
     cost).
 ``validate_fill``
     The same plus the validation pass timed (accept the drafts up to the first refused one,
-    roll back), which the recipe's ``return_valid`` replaces.
+    roll back), which the build's ``return_valid`` replaces.
 
 The warm-up round checks that ``portable_spec``'s rows equal ``serial_fill``'s bit for bit.
 """

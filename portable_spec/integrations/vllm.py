@@ -102,9 +102,6 @@ def reset_plugin_stats() -> None:
         _stats = _new_stats()
 
 
-_current = {"mode": "off"}  # "off": the patched method calls vLLM's own and nothing else
-
-
 def plugin_stats() -> dict[str, Any]:
     """A snapshot of this process's plugin counters (the EngineCore's, where the plugin runs).
 
