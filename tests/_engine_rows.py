@@ -33,8 +33,6 @@ ALL_ALLOWED = -1
 PADDING = -1  # a draft position with no draft (vLLM's placeholder)
 
 
-
-
 def bit(row: np.ndarray, token: int) -> bool:
     """Whether ``row`` allows ``token``."""
     return bool((int(row[token // 32]) >> (token % 32)) & 1)

@@ -11,7 +11,8 @@ pool.
 
 ``portable_spec``
     A strided chain build (vLLM 0.33's layout, porting guide section 3): the
-    ``[batch, K + 1]`` chain array from the per-request draft lists, ``Reasoning`` for the requests still reasoning, then
+    ``[batch, K + 1]`` chain array from the per-request draft lists, ``Reasoning`` for the
+    requests still reasoning, then
     ``build_host_bitmask(..., out=buffer, reasoning=..., return_valid=True)`` on the drafts as
     the drafter wrote them.
 ``serial_fill``
