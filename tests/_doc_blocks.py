@@ -3,8 +3,8 @@
 Every block is compiled, then executed in a namespace of its own (as if it were a script of
 its own: only what it imports or defines exists), one after the other in this process; one
 JSON line per block goes to OUT: ``{"line", "status": "passed" | "failed" | "compiled",
-"detail"}``. A block whose first line is ``# needs: cuda``, ``# needs: tpu`` or
-``# needs: multi-host`` is only compiled where that is missing here ("compiled", with the
+"detail"}``. A block whose first line is ``# needs: cuda``, ``# needs: tpu``,
+``# needs: multi-host`` or ``# needs: vllm`` is only compiled where that is missing here ("compiled", with the
 reason).
 """
 
@@ -16,7 +16,7 @@ import sys
 import traceback
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host)\b")
+NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host|vllm)\b")
 
 
 def blocks(text: str) -> list[tuple[int, str]]:
@@ -34,6 +34,10 @@ def missing(need: str) -> str | None:
         import jax
 
         return None if jax.devices()[0].platform == "tpu" else "needs a TPU"
+    if need == "vllm":
+        import importlib.util
+
+        return None if importlib.util.find_spec("vllm") else "needs vLLM (scripts/setup-vllm.sh)"
     return "needs several hosts"
 
 
