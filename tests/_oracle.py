@@ -8,6 +8,7 @@ traversal. It is slow on purpose and only used on small trees.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,6 +348,21 @@ class ProtocolMatcher:
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()
+
+
+class GatedMatcher(ProtocolMatcher):
+    """Blocks in its first fill until ``gate`` is set: keeps a build pending on demand
+    (``entered`` is set once the build reached the fill)."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        super().__init__(inner)
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int) -> bool:
+        self.entered.set()
+        assert self.gate.wait(600), "the test never opened the gate"  # a hang guard only
+        return super().fill_next_token_bitmask(bitmask, index)
 
 
 class FailingMatcher(ProtocolMatcher):

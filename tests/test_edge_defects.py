@@ -20,6 +20,7 @@ import pytest
 import xgrammar as xgr
 from _oracle import (
     FailingMatcher,
+    GatedMatcher,
     ProtocolMatcher,
     Request,
     expected_mask,
@@ -123,20 +124,6 @@ def test_draft_session_tokens_of_every_integer_dtype_and_byte_order(smollm2, dty
 
 
 # -- 2. draft sessions over matchers a pending build holds --------------------------------------
-class GatedMatcher(ProtocolMatcher):
-    """Blocks in its first fill until ``gate`` is set: keeps a build pending on demand."""
-
-    def __init__(self, inner, gate: threading.Event) -> None:
-        super().__init__(inner)
-        self.gate = gate
-        self.entered = threading.Event()
-
-    def fill_next_token_bitmask(self, bitmask, index):
-        self.entered.set()
-        assert self.gate.wait(600), "the test never opened the gate"
-        return super().fill_next_token_bitmask(bitmask, index)
-
-
 def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
     request = _request(smollm2)
     gate = threading.Event()

@@ -9,23 +9,16 @@ import time
 
 import numpy as np
 import pytest
-from _oracle import FailingMatcher, ProtocolMatcher, Request, expected_mask, matcher_state
+from _oracle import (
+    FailingMatcher,
+    GatedMatcher,
+    ProtocolMatcher,
+    Request,
+    expected_mask,
+    matcher_state,
+)
 
 import portable_spec as ps
-
-
-class GatedMatcher(ProtocolMatcher):
-    """Blocks in its first fill until ``gate`` is set: keeps a build pending on demand."""
-
-    def __init__(self, inner, gate: threading.Event) -> None:
-        super().__init__(inner)
-        self.gate = gate
-        self.entered = threading.Event()
-
-    def fill_next_token_bitmask(self, bitmask, index):
-        self.entered.set()
-        assert self.gate.wait(600), "the test never opened the gate"
-        return super().fill_next_token_bitmask(bitmask, index)
 
 
 def _case(smollm2, batch=3):
