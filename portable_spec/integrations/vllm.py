@@ -33,6 +33,7 @@ What the plugin builds, and what it leaves to vLLM:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import statistics
@@ -77,6 +78,8 @@ _MATCHER_ATTRS = {
 }
 
 _lock = threading.Lock()
+# the library's packed chains (older releases of the library: padded rectangles)
+_PACKED = hasattr(ps.GrammarTree, "from_packed_chains")
 _HISTORY = 4096  # per-call times kept per batch size and build
 
 
@@ -370,11 +373,15 @@ def _build_or_none(
     except LookupError as exc:
         _warn_once(f"backend:{exc}", "portable_spec: %s grammars keep vLLM's own fill", exc)
         return None
-    if self._grammar_bitmask is None:  # vLLM's own buffer, allocated as vLLM does
-        self._grammar_bitmask = self.backend.allocate_token_bitmask(
+    tensor = self._grammar_bitmask
+    if tensor is None:  # vLLM's own buffer, allocated as vLLM does
+        tensor = self._grammar_bitmask = self.backend.allocate_token_bitmask(
             config.scheduler_config.max_num_seqs * (1 + k)
         )
-    buffer = self._grammar_bitmask.numpy()
+    view = getattr(self, "_portable_spec_view", None)
+    if view is None or view[0] is not tensor:  # the buffer's numpy view, made once
+        view = self._portable_spec_view = (tensor, tensor.numpy())
+    buffer = view[1]
     if copy:  # shadow mode: a buffer of the same size, kept on the manager
         scratch = getattr(self, "_portable_spec_scratch", None)
         if scratch is None or scratch.shape != buffer.shape:
@@ -407,6 +414,7 @@ class _Plan:
         "tokens",
         "total",
         "unwritten",
+        "xgrammar_only",
     )
 
     def __init__(self) -> None:
@@ -418,6 +426,7 @@ class _Plan:
         self.masked: list[tuple[int, int, tuple[int, ...]]] = []  # reasoning rows, banned ids
         self.unwritten: list[int] = []  # strided: rows past a request's chain
         self.grammar_segments: list[int] = []  # segments with a matcher and drafts
+        self.xgrammar_only = True  # every matcher an xgrammar one (the build flags the nodes)
         self.total = 0
 
     def add(self, matcher: Any, chain: Sequence[int], end: int) -> None:
@@ -444,9 +453,13 @@ def _plan(
     strided layout) each request's block is ``stride_k + 1`` rows (the rows past ``m`` are
     free and listed as unwritten), and its reasoning rows (``i < c``, ``i <= p``) ban the
     implicit reasoning ends vLLM's ``_masked_reasoning_ends`` names.
+
+    Without a reasoner (vLLM's bounds are then ``(0, 0)`` for every request) and without
+    padding, a request is one chain rooted at its first row: no bounds call, no splitting.
     """
     plan = _Plan()
     bounds = self._get_constraint_bounds
+    reasoning = _may_reason(self)
     for req_id in ids:
         request = requests[req_id]
         grammar = request.structured_output_request.grammar
@@ -455,6 +468,15 @@ def _plan(
         m = len(tokens)
         start = plan.total
         end = start + m + 1
+        if not reasoning and (not m or min(tokens) >= 0):  # the common case
+            if grammar.is_terminated():
+                plan.add(None, [0] * (m + 1), end)
+            else:
+                plan.add(matcher, [0, *tokens], end)
+                plan.xgrammar_only &= type(grammar).__name__ == "XgrammarGrammar"
+            if stride_k is not None:
+                _finish_request(self, plan, request, start, m, m, 0, stride_k)
+            continue
         p = next((i for i, t in enumerate(tokens) if t < 0), m)
         g, c = bounds(request, tokens[:p])
         if grammar.is_terminated() or g > p or c > p:
@@ -466,10 +488,19 @@ def _plan(
         if c > g:
             plan.forced.append(start + g)
         plan.add(matcher, [0, *tokens[g:p]], end)
+        plan.xgrammar_only &= type(grammar).__name__ == "XgrammarGrammar"
         if p < m:
             plan.add(None, [0] * (m - p), end)
         _finish_request(self, plan, request, start, m, p, c, stride_k)
     return plan
+
+
+def _may_reason(self: Any) -> bool:
+    """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: it does
+    only with a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
+    if getattr(self, "enable_in_reasoning", False) is True:
+        return False
+    return getattr(self, "reasoner_cls", True) is not None
 
 
 def _finish_request(
@@ -491,7 +522,10 @@ def _finish_request(
 def _fill(plan: _Plan, out: np.ndarray) -> None:
     """Write the plan's rows into ``out`` ([plan.total, words] int32)."""
     vocab = out.shape[1] * 32
-    _build_rows(plan.matchers, plan.tokens, plan.offsets, vocab, out)
+    # xgrammar builds flag their refused nodes themselves (the compiled repair writes them):
+    # no pass over the rows to find the refused drafts
+    flag = plan.xgrammar_only and bool(plan.grammar_segments)
+    valid = _build_rows(plan.matchers, plan.tokens, plan.offsets, vocab, out, flag)
     for row in plan.forced:
         out[row] = -1
     if plan.masked:
@@ -499,8 +533,26 @@ def _fill(plan: _Plan, out: np.ndarray) -> None:
         for lo, hi, banned in plan.masked:
             ids = np.asarray(banned, dtype=np.int64)
             bits[lo:hi, ids >> 5] &= ~(np.uint32(1) << (ids & 31).astype(np.uint32))
-    if plan.grammar_segments:
+    if not plan.grammar_segments:
+        return
+    if valid is None:
         _repeat_after_refused(plan, out)
+    elif not valid.all():
+        _repeat_after_invalid(plan, out, valid)
+
+
+def _repeat_after_invalid(plan: _Plan, out: np.ndarray, valid: np.ndarray) -> None:
+    """:func:`_repeat_after_refused` from the build's node flags (``valid``: bool
+    ``[plan.total]``): a grammar segment's first node the build did not accept is its first
+    refused draft (or a draft after a terminated node, whose rows are all-allowed either way);
+    free segments' nodes are all accepted."""
+    offsets, done = plan.offsets, set()
+    for row in np.flatnonzero(~valid).tolist():
+        s = bisect.bisect_right(offsets, row) - 1
+        if s in done or plan.matchers[s] is None or row == offsets[s]:
+            continue
+        done.add(s)
+        out[row : plan.ends[s]] = out[row - 1]
 
 
 def _repeat_after_refused(plan: _Plan, out: np.ndarray) -> None:
@@ -536,22 +588,33 @@ def _repeat_after_refused(plan: _Plan, out: np.ndarray) -> None:
 
 
 def _build_rows(
-    matchers: list[Any], tokens: list[int], offsets: list[int], vocab: int, out: np.ndarray
-) -> None:
+    matchers: list[Any],
+    tokens: list[int],
+    offsets: list[int],
+    vocab: int,
+    out: np.ndarray,
+    flag: bool = False,
+) -> np.ndarray | None:
     """Packed chains (segment ``s``: ``tokens[offsets[s]:offsets[s+1]]``, root first) ->
-    their rows written into ``out``.
+    their rows written into ``out``; with ``flag``, returns the build's accepted nodes (bool
+    ``[offsets[-1]]``), else None.
 
     With the library's packed chains (``GrammarTree.from_packed_chains``) the rows are
     written in place; otherwise the chains go in as a ``[segments, width]`` rectangle: in
     place when every chain is as long, else padded with ``-1`` and the rows gathered.
     """
-    flat = np.asarray(tokens, dtype=np.int64)
+    flat = np.array(tokens, dtype=np.int64)
     segments = len(matchers)
-    if hasattr(ps.GrammarTree, "from_packed_chains"):
-        tree = ps.GrammarTree.from_packed_chains(flat, np.asarray(offsets, dtype=np.int64))
-        if ps.build_host_bitmask(matchers, tree, vocab, out=out) is None:
+    if _PACKED:
+        tree = ps.GrammarTree.from_packed_chains(flat, np.array(offsets, dtype=np.int64))
+        if not flag:
+            if ps.build_host_bitmask(matchers, tree, vocab, out=out) is None:
+                out[:] = -1
+            return None
+        mask, valid = ps.build_host_bitmask(matchers, tree, vocab, out=out, return_valid=True)
+        if mask is None:
             out[:] = -1
-        return
+        return valid
     lengths = np.diff(offsets)
     width = int(lengths.max())
     if width * segments == len(flat):  # every chain as long: the rows are already packed
