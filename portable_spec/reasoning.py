@@ -226,7 +226,7 @@ def _chains_with_reasoning(
     rows = tree.rows
     mask = np.empty((rows, words), dtype=np.int32) if out is None else out
     valid = np.zeros(rows, dtype=bool)
-    firsts = _free_rows(build, [grammars[b] for b in thinking], checked, vocab_size, words)
+    firsts = _free_rows(build, grammars, thinking, checked, vocab_size, words)
     frees = dict(zip(thinking, firsts, strict=True))
     flat: list[int] = []
     lengths: list[int] = []
