@@ -37,6 +37,11 @@ def _refuse(index: int) -> ValueError:
     )
 
 
+def pending_builds() -> bool:
+    """Whether any ``wait=False`` build holds matchers right now."""
+    return bool(_held)
+
+
 def check_not_pending(grammars: Sequence[Any]) -> None:
     """Raise ``ValueError`` if a matcher of ``grammars`` is held by a pending build (other than
     the one the current thread runs). Free when no build is pending."""

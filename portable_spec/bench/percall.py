@@ -36,6 +36,7 @@ from portable_spec.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
+    cache_evictor,
     geomean,
     measure_quietly,
     median,
@@ -63,7 +64,6 @@ PERCALL_PHASES = (
     "serial_fill",
 )
 REGIMES = ("warm", "cold")
-_EVICT_BYTES = 32 << 20
 
 
 def _chain_links(nodes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +89,7 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
     valid = np.zeros(nodes, dtype=bool)
     next_token, next_sibling = _chain_links(nodes)
     offsets = np.array([0, nodes], dtype=np.int64)
-    evict = np.zeros(_EVICT_BYTES // 8, dtype=np.int64)
+    evict = cache_evictor()
     stop_ids = np.array([setup.eos_id], dtype=np.int64)
 
     def chain_of(data: Any) -> np.ndarray:
@@ -149,7 +149,7 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
             if name == "resolve":
                 table["_fresh_tree"]()
             if regime == "cold":
-                evict[::8] += 1  # one write per 64-byte line
+                evict()
             return call
 
         return Method(name, prepare)

@@ -171,6 +171,24 @@ def run_rounds(
     return seconds, inputs
 
 
+#: bytes :func:`cache_evictor` writes: more than the last-level cache of the machines benched
+EVICT_BYTES = 32 << 20
+
+
+def cache_evictor() -> Callable[[], None]:
+    """A zero-argument call that writes one word per 64-byte line of a private
+    :data:`EVICT_BYTES` buffer, evicting the CPU caches the way an engine's forward pass does
+    between two steps. Call it (untimed) right before a timed call so that every method starts
+    from the same cold caches: otherwise a method that shares code with the one timed just
+    before it (a loop and the same loop plus a pass) runs warm and the other cold."""
+    buffer = np.zeros(EVICT_BYTES // 8, dtype=np.int64)
+
+    def evict() -> None:
+        buffer[::8] += 1
+
+    return evict
+
+
 def settle() -> None:
     """Leave the allocator as the next method should find it (untimed, after every call).
 

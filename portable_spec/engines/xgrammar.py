@@ -9,10 +9,16 @@ import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 
-__all__ = ["probe_xgrammar", "walk_xgrammar"]
+__all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info"]
 
 _cache: IdentityCache[MatcherInfo] = IdentityCache()
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
+
+
+def xgrammar_info(matcher: Any) -> MatcherInfo | None:
+    """The facts :func:`probe_xgrammar` learnt about ``matcher``, or ``None`` if it was never
+    probed (nothing is called on the matcher)."""
+    return _cache.get(matcher)
 
 
 def probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
