@@ -142,10 +142,10 @@ def test_the_default_run_is_lean_and_ci_runs_the_rest():
 # How the project's own developers reach a GPU is no user's business: phrases of that kind
 # must not come back into what users read (docs, scripts, the package's code and comments).
 TEAM_PHRASES = re.compile(
-    r"\bwork sessions?\b|\bother sessions\b|\banother session\b|\bsession's own\b"
+    r"\bwork\s+sessions?\b|\bother sessions\b|\banother session\b|\bsession's own\b"
     r"|\blent an? (?:GPU|machine|device)\b|\b(?:device|GPU|\d+-minute) leases?\b"
-    r"|\bleases? (?:a |the )?(?:GPU|machine)\b|\bdevice tool\b|`device` tool|\bdevice calls?\b"
-    r"|\bdevice time\b|\bcarry\s*=|`carry`|\bgive_back\b|\bcan_start_another\b|(?-i:\$OUT\b)"
+    r"|\bleases? (?:a |the )?(?:GPU|machine)\b|`?device`?\s+(?:tool|time|calls?)\b"
+    r"|\bcarry\s*=|`carry`|\bgive_back\b|\bcan_start\w*|(?-i:\$OUT\b)"
     r"|\bthe lead\b|\bhelper sessions?\b",
     re.IGNORECASE,
 )
@@ -172,9 +172,10 @@ def test_speaks_to_users_only(path):
 
 def test_team_phrases_are_caught():
     for text in [
-        "In a work session whose task is lent a GPU",
-        "the `device` tool's status",
-        'run(command="...", carry=[".device"])',
+        "In another session whose task is lent a GPU",
+        "the device tool's status",
+        "a work\nsession",
+        'run(command="...", carry = ["wheels"])',
         "a rerun in a 15-minute lease",
         "then give_back",
         "spending device time",

@@ -1,7 +1,7 @@
 """What the GPU image lacks: the carried wheels must cover every requirement the image does not.
 
-:data:`IMAGE_PACKAGES` lists the Python distributions of the H200 machine's image (the device
-tool's ``KINDS.md``, read 2026-11-17). :func:`missing_requirements` reads each wheel's
+:data:`IMAGE_PACKAGES` lists the Python distributions preinstalled on the reference H200
+machine's image (as listed on 2026-11-17). :func:`missing_requirements` reads each wheel's
 ``METADATA`` and returns the requirements that neither another carried wheel nor the image
 provides, so ``scripts/fetch-device-wheels.sh`` fails here instead of the import failing there.
 """
