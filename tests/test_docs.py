@@ -21,7 +21,8 @@ import pytest
 from _doc_blocks import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+#: every page a reader opens: the README and docs/**, generated results included
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 BLOCKS = [(doc, line, code) for doc in DOCS for line, code in blocks((ROOT / doc).read_text())]
 
 # JAX warns when a jit donates a buffer it cannot write into (an argmax sampler never
@@ -29,7 +30,7 @@ BLOCKS = [(doc, line, code) for doc in DOCS for line, code in blocks((ROOT / doc
 UNUSABLE_DONATION = "Some donated buffers were not usable"
 
 #: pages whose blocks take long all together (each loads a tokenizer, compiles a grammar)
-SLOW_DOCS = {"docs/porting.md"}
+SLOW_DOCS = {doc for doc in DOCS if doc.startswith("docs/porting/")}
 
 
 def _case(doc: str, line: int, code: str) -> object:
@@ -110,8 +111,7 @@ def test_blocks_run_one_by_one(tmp_path):
 
 def test_pitfall_lines_exist():
     """Every row of the pitfalls table names a file and a line that is in it."""
-    text = (ROOT / "docs/porting.md").read_text()
-    section = text[text.index("## 7. Pitfalls") :]
+    section = (ROOT / "docs/porting/pitfalls.md").read_text()
     rows = re.findall(r"^\|[^|]+\| `([^`]+)` \| `(.+)` \|$", section, re.MULTILINE)
     assert len(rows) >= 12
     for path, line in rows:
@@ -119,11 +119,71 @@ def test_pitfall_lines_exist():
         assert line in content, f"{path} no longer contains: {line}"
 
 
-def test_links_between_docs_resolve():
-    for doc in DOCS:
-        path = ROOT / doc
-        for target in re.findall(r"\]\(([^)#:]+\.(?:md|png))\)", path.read_text()):
-            assert (path.parent / target).exists(), f"{doc} links to missing {target}"
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (code blocks left out):
+    lower case, punctuation dropped, spaces to hyphens, ``-1``, ``-2`` ... on repeats."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", text), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        name, n = slug, 0
+        while name in found:
+            n += 1
+            name = f"{slug}-{n}"
+        found.add(name)
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of a Markdown page (outside code blocks) whose file or anchor is missing."""
+    broken = []
+    for target in LINK.findall(FENCE.sub("", path.read_text())):
+        if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            broken.append(f"{target} (no such heading in {os.path.relpath(dest, path.parent)})")
+    return broken
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_links_resolve(doc):
+    """Every relative link of the README and the docs reaches an existing file and heading."""
+    assert not broken_links(ROOT / doc), f"{doc}: {broken_links(ROOT / doc)}"
+
+
+def test_broken_links_are_caught(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## 4c. Compact masks, `wait=False`\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Top\n\n## Top\n\n[a](other.md#4c-compact-masks-waitfalse) [b](#top-1) [c](#top)\n"
+        "[d](other.md#4c-compact) [e](gone.md) [f](#nowhere) [g](https://x.org/y.md#z)\n"
+        "```\n[h](inside-code.md)\n```\n"
+    )
+    assert broken_links(page) == [
+        "other.md#4c-compact (no such heading in other.md)",
+        "gone.md (no such file)",
+        "#nowhere (no such heading in page.md)",
+    ]
+
+
+#: the largest a page may be, in bytes (generated results in docs/results/ are exempt)
+PAGE_LIMIT = {"docs/benchmarks.md": 12 * 1024}
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.startswith("docs/")])
+def test_page_is_small(doc):
+    """A page is read in one sitting: at most 10 KB (benchmarks.md 12 KB)."""
+    if doc.startswith("docs/results/"):
+        pytest.skip("generated results are exempt")
+    size = (ROOT / doc).stat().st_size
+    assert size <= PAGE_LIMIT.get(doc, 10 * 1024), f"{doc} is {size} bytes"
 
 
 def test_the_default_run_is_lean_and_ci_runs_the_rest():
@@ -153,7 +213,7 @@ USER_FACING = [
     "README.md",
     ".ci/run",
     "pyproject.toml",
-    *[f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")],
+    *[doc for doc in DOCS if doc.startswith("docs/")],
     *[f"scripts/{p.name}" for p in (ROOT / "scripts").iterdir() if p.is_file()],
     *[str(p.relative_to(ROOT)) for p in (ROOT / "portable_spec").rglob("*.py")],
     *[str(p.relative_to(ROOT)) for p in (ROOT / "backends").rglob("*.py")],

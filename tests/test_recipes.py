@@ -1,6 +1,6 @@
 """The porting guide's TensorRT-LLM recipe against that engine's own row semantics.
 
-The recipe is the code block of ``docs/porting.md`` marked ``# recipe: tensorrt-llm``,
+The recipe is the code block of ``docs/porting/tensorrt-llm.md`` marked ``# recipe: tensorrt-llm``,
 executed as it is printed. The engine's behaviour is ``tests/_engine_rows.py``: TensorRT-LLM's
 build, ``token_mask`` and rollback, re-implemented on its own fresh matchers. (vLLM is tested
 against vLLM itself: tests/real_vllm, through the plugin that replaces the manual recipe.) Both sides mask the
@@ -35,6 +35,7 @@ from _engine_rows import (
 from _oracle import Request, matcher_state
 
 ROOT = Path(__file__).resolve().parents[1]
+RECIPE_PAGE = "docs/porting/tensorrt-llm.md"
 K = 4  # drafts per request (vLLM's num_speculative_tokens, TensorRT-LLM's max_draft)
 KINDS = ("json_schema", "builtin_json", "ebnf", "regex")
 PROBE = [0, 1, 2, 18, 33, 75, 104, 107, 109]
@@ -44,16 +45,16 @@ SEEDS = range(12)
 def load_recipe(name: str, edits: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """Execute the porting guide's ``# recipe: <name>`` block (after ``edits``, each an
     ``(old, new)`` replacement that must apply); return its namespace."""
-    text = (ROOT / "docs/porting.md").read_text()
+    text = (ROOT / RECIPE_PAGE).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
     chosen = [b for b in blocks if b.startswith(f"# recipe: {name} ")]
-    assert len(chosen) == 1, f"docs/porting.md needs exactly one '# recipe: {name}' block"
+    assert len(chosen) == 1, f"{RECIPE_PAGE} needs exactly one '# recipe: {name}' block"
     source = chosen[0]
     for old, new in edits:
         assert old in source, f"the {name} recipe no longer contains {old!r}"
         source = source.replace(old, new)
     namespace: dict[str, Any] = {"__name__": f"porting_recipe_{name.replace('-', '_')}"}
-    exec(compile(source, f"docs/porting.md ({name} recipe)", "exec"), namespace)
+    exec(compile(source, f"{RECIPE_PAGE} ({name} recipe)", "exec"), namespace)
     return namespace
 
 
