@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command (docs/gpu.md):
+# The GPU check in one command (docs/porting/hardware.md):
 #
 #   scripts/device-check.sh [--cpu] [--install] [--out DIR] [driver options...]
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a GPU machine without network (docs/gpu.md): run this where PyPI is reachable, then copy
+# For a GPU machine without network (docs/porting/hardware.md): run this where PyPI is reachable, then copy
 # the checkout with .device/ to the GPU machine and run scripts/device-check.sh there. Fills
 # the git-ignored .device/ with what a GPU machine that has Python with torch, jax, numpy,
 # pytest and hypothesis lacks:

@@ -10,7 +10,7 @@ start). ``<|im_start|>`` stands for ``</think>``. Every round draws a random bat
 pool.
 
 ``portable_spec``
-    A strided chain build (vLLM 0.33's layout, porting guide section 3): the
+    A strided chain build (vLLM 0.33's layout, docs/porting/chains.md): the
     ``[batch, K + 1]`` chain array from the per-request draft lists, ``Reasoning`` for the
     requests still reasoning, then
     ``build_host_bitmask(..., out=buffer, reasoning=..., return_valid=True)`` on the drafts as

@@ -11,7 +11,7 @@ Parts, each under a time limit (see :mod:`portable_spec.devicecheck.driver`):
 
 ``--cpu`` runs the same parts on a machine without a GPU: the GPU-only sections are reported as
 skipped, the rest really run (reduced sizes: :mod:`.profiles`). Results go to
-``device-check.json`` and ``device-check.md``; see ``docs/benchmarks.md``.
+``device-check.json`` and ``device-check.md``; see ``docs/porting/hardware.md``.
 
 Like the rest of the package this imports nothing but numpy until a part runs.
 """
