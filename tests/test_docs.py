@@ -173,6 +173,18 @@ def test_broken_links_are_caught(tmp_path):
     ]
 
 
+def test_porting_index_lists_every_page():
+    """The porting guide's first page names every page of the guide, and every page links
+    back to it: a reader who lands anywhere finds the page for their job."""
+    folder = ROOT / "docs/porting"
+    index = (folder / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    pages = {p.name for p in folder.glob("*.md")} - {"README.md"}
+    assert pages <= listed, f"not in the index: {sorted(pages - listed)}"
+    for page in pages:
+        assert "](README.md)" in (folder / page).read_text(), f"{page} does not link the index"
+
+
 #: the largest a page may be, in bytes (generated results in docs/results/ are exempt)
 PAGE_LIMIT = {"docs/benchmarks.md": 12 * 1024}
 
