@@ -1,36 +1,42 @@
-"""``portable-spec`` command line: ``demo``, ``bench`` and ``masks`` (a quick look at the builder).
+"""``python -m tools``: the checkout's command line (``demo``, ``bench``, ``masks``, ``soak``).
 
-Each subcommand lives in its own module and is imported only when used.
+Run from the repository root (the scripts in ``scripts/`` do: ``scripts/demo.sh``,
+``scripts/bench.sh``, ``scripts/masks.sh``, ``scripts/soak.sh``). Each command lives in its own
+module, imported only when used, and also runs alone (``python -m tools.bench``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from collections.abc import Callable, Sequence
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main", "run_main"]
 
-_SUBCOMMANDS = {
-    "demo": ("portable_spec.demo.cli", "grammar-constrained speculative decoding with SmolLM2"),
-    "bench": ("portable_spec.bench", "side-by-side performance of the mask build, staging, apply"),
-    "masks": ("portable_spec.masks_cli", "build masks for a sample batch and print what happened"),
-    "soak": ("portable_spec.soak", "long build+upload run checking that memory stays flat"),
+#: command -> (module with ``main(argv) -> int``, one line of help)
+COMMANDS = {
+    "demo": ("examples.demo.cli", "grammar-constrained speculative decoding with SmolLM2"),
+    "bench": ("tools.bench.cli", "side-by-side performance of the mask build, staging, apply"),
+    "masks": ("tools.masks", "build masks for a sample batch and print what happened"),
+    "soak": ("tools.soak", "long build+upload run checking that memory stays flat"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: portable-spec <command> [options]", "", "commands:"]
-    lines += [f"  {name:7s} {help_}" for name, (_, help_) in _SUBCOMMANDS.items()]
-    lines.append("\n`portable-spec <command> --help` for a command's options.")
+    lines = ["usage: python -m tools <command> [options]", "", "commands:"]
+    lines += [f"  {name:7s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines.append("\n`python -m tools <command> --help` for a command's options.")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``portable-spec`` script and ``python -m portable_spec``; returns the
-    exit status. A reader that stops early (``portable-spec --help | head -3``) ends the
-    command quietly with status 1 (what Python's documentation advises), no traceback."""
+def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run ``main(argv)`` (default: ``sys.argv[1:]``) and return its exit status (blocks for
+    the whole command). A reader that stops early (``... --help | head -3``) ends the command
+    quietly with status 1 (what Python's documentation advises), no traceback."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        status = _main(argv)
+        status = int(main(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
         # the rest of the output has nowhere to go: send it, and the final flush, to devnull
@@ -41,20 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in _SUBCOMMANDS:
-        print(f"portable-spec: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    if command not in COMMANDS:
+        print(f"tools: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    import importlib
-
-    module = importlib.import_module(_SUBCOMMANDS[command][0])
+    module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(rest) or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m tools``; returns the exit status."""
+    return run_main(_dispatch, argv)

@@ -1,4 +1,5 @@
-"""``portable-spec masks``: build grammar masks for a sample batch on a real vocabulary.
+"""``scripts/masks.sh`` (``python -m tools masks``): build grammar masks for a sample batch
+on a real vocabulary.
 
 A quick, self-contained look at the builder: SmolLM2's 49152-token vocabulary, the sample
 grammars, EAGLE-like draft trees whose tokens mostly follow the grammar, and a report of what
@@ -86,7 +87,7 @@ def sample_batch(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="portable-spec masks",
+        prog="scripts/masks.sh",
         description="Build grammar bitmasks for a sample batch of draft trees on SmolLM2's "
         "vocabulary and report what the grammar accepted.",
     )
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import xgrammar as xgr
 
     import portable_spec as ps
-    from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
-    from portable_spec.demo.grammars import compile_sample
+    from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
 
     vocab = load_vocab()
     info = tokenizer_info(vocab)

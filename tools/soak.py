@@ -1,4 +1,5 @@
-"""``portable-spec soak``: many build+upload steps with varying batches; memory stays flat.
+"""``scripts/soak.sh`` (``python -m tools soak``): many build+upload steps with varying
+batches; memory stays flat.
 
 Runs the steady state of an engine for a long time on SmolLM2's vocabulary: every step a
 new batch size, new trees, persistent matchers per request slot, the mask built, uploaded to
@@ -78,9 +79,8 @@ def run_soak(
     import xgrammar as xgr
 
     import portable_spec as ps
-    from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
-    from portable_spec.demo.grammars import compile_sample
-    from portable_spec.masks_cli import sample_batch
+    from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
+    from tools.masks import sample_batch
 
     vocab = load_vocab()
     compiler = xgr.GrammarCompiler(tokenizer_info(vocab))
@@ -157,7 +157,7 @@ def _to_numpy(mask: Any) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="portable-spec soak",
+        prog="scripts/soak.sh",
         description="Long build+upload run; fails if memory, threads or buffers grow.",
     )
     parser.add_argument("--steps", type=int, default=20000)

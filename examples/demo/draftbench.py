@@ -1,4 +1,4 @@
-"""Figures of grammar-aware drafting: ``python -m portable_spec.demo.draftbench``.
+"""Figures of grammar-aware drafting: ``python -m examples.demo.draftbench``.
 
 Two measurements (printed as Markdown tables, optionally written as JSON):
 
@@ -14,7 +14,7 @@ Two measurements (printed as Markdown tables, optionally written as JSON):
   level, on the demo's person schema and on two more schemas (a book, an order) that the tests
   do not use; the n-gram drafter blind and grammar-aware too.
 
-Tokens/s come from ``portable-spec demo --compare`` (see ``docs/benchmarks.md``).
+Tokens/s come from ``scripts/demo.sh --compare`` (see ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def _plan(session: Any, widths: list[int], branch: int, rng: Any, vocab: int) ->
 def measure_levels(backend: str, rounds: int, log: Any) -> list[dict[str, Any]]:
     """Masking cost per level next to the forward of that level (see the module docstring)."""
     import portable_spec as ps
-    from portable_spec.demo.constraints import load_constraint
-    from portable_spec.demo.models import build_model, precision
-    from portable_spec.demo.tokenizer import load_tokenizer
+    from examples.demo.constraints import load_constraint
+    from examples.demo.models import build_model, precision
+    from examples.demo.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     constraint = load_constraint()
@@ -217,11 +217,11 @@ def measure_levels(backend: str, rounds: int, log: Any) -> list[dict[str, Any]]:
 
 def measure_acceptance(backend: str, max_new_tokens: int, log: Any) -> list[dict[str, Any]]:
     """Mean tokens per step of each drafter and masking mode on the three schemas."""
-    from portable_spec.demo.constraints import load_constraint
-    from portable_spec.demo.drafters import NgramDrafter, SelfDrafter
-    from portable_spec.demo.engine import generate, required_max_len
-    from portable_spec.demo.models import build_model, precision
-    from portable_spec.demo.tokenizer import load_tokenizer
+    from examples.demo.constraints import load_constraint
+    from examples.demo.drafters import NgramDrafter, SelfDrafter
+    from examples.demo.engine import generate, required_max_len
+    from examples.demo.models import build_model, precision
+    from examples.demo.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     modes = {
@@ -306,7 +306,7 @@ def _tables(levels: list[dict[str, Any]], acceptance: list[dict[str, Any]]) -> s
 
 def main(argv: list[str] | None = None) -> int:
     """Run the measurements; Markdown on stdout, progress on stderr."""
-    p = argparse.ArgumentParser(prog="python -m portable_spec.demo.draftbench")
+    p = argparse.ArgumentParser(prog="python -m examples.demo.draftbench")
     p.add_argument("--backends", default="jax,torch")
     p.add_argument("--parts", default="levels,acceptance")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per level (default 7)")

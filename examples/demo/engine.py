@@ -18,8 +18,8 @@ The plain path (``drafter=None``) is ordinary constrained greedy decoding: one t
 its mask filled straight from the xgrammar matcher (not through the library's tree builder),
 so it is an independent reference for the speculative path.
 
-The model is any object with the interface of ``portable_spec.demo.jax_model.JaxLlama``
-(``torch``: ``portable_spec.demo.torch_model.TorchLlama``).
+The model is any object with the interface of ``examples.demo.jax_model.JaxLlama``
+(``torch``: ``examples.demo.torch_model.TorchLlama``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from examples.demo.drafters import Draft, Drafter, GrammarContext
 from portable_spec import build_grammar_vocab_mask, grammar_stats
-from portable_spec.demo.drafters import Draft, Drafter, GrammarContext
 
 __all__ = ["Generation", "StepReport", "accept_path", "generate", "required_max_len"]
 

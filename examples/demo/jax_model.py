@@ -15,7 +15,7 @@ either all on the device (:meth:`JaxLlama.draft_tree`, no grammar) or one level 
 (:meth:`JaxLlama.draft_level`, the level's logits masked by the grammar rows of its nodes
 before the top-k; the host picks the next level between calls).
 
-The torch twin is ``portable_spec.demo.torch_model`` (same methods, same arguments).
+The torch twin is ``examples.demo.torch_model`` (same methods, same arguments).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples.demo.weights import LlamaConfig, LlamaWeights
 from portable_spec import apply_vocab_mask
-from portable_spec.demo.weights import LlamaConfig, LlamaWeights
 
 __all__ = ["JaxLaunch", "JaxLlama"]
 

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from portable_spec.demo.weights import load_weights
+from examples.demo.weights import load_weights
 
 __all__ = ["BACKENDS", "DTYPES", "build_model", "precision"]
 
@@ -48,12 +48,12 @@ def build_model(backend: str, dtype: str, max_len: int, *, gguf_path: str | None
     _check(backend, dtype)
     weights = load_weights(gguf_path, dtype)
     if backend == "jax":
-        from portable_spec.demo.jax_model import JaxLlama
+        from examples.demo.jax_model import JaxLlama
 
         return JaxLlama(weights, max_len=max_len)
     import torch
 
-    from portable_spec.demo.torch_model import TorchLlama
+    from examples.demo.torch_model import TorchLlama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return TorchLlama(weights, max_len=max_len, device=device)

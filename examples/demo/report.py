@@ -1,10 +1,10 @@
-"""Turn a :class:`~portable_spec.demo.engine.Generation` into the CLI's lines and JSON record."""
+"""Turn a :class:`~examples.demo.engine.Generation` into the CLI's lines and JSON record."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from portable_spec.demo.engine import Generation, StepReport
+from examples.demo.engine import Generation, StepReport
 
 __all__ = ["compare_lines", "progress_line", "record", "summary_line"]
 

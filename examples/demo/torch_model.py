@@ -1,6 +1,6 @@
 """The demo's Llama decoder in torch: forward with a KV cache and tree attention.
 
-The torch twin of ``portable_spec.demo.jax_model`` (same class interface, same math):
+The torch twin of ``examples.demo.jax_model`` (same class interface, same math):
 a forward over ``M`` new tokens attends to the cache's first ``ctx_len`` positions and to the
 new tokens through an ``[M, M]`` tree mask, returns the new keys/values separately, and
 :meth:`TorchLlama.commit` copies the accepted ones into the cache in place. The
@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from portable_spec import apply_vocab_mask
 from portable_spec.backends.cuda.devices import current_stream_event
-from portable_spec.demo.weights import LlamaConfig, LlamaWeights
+
+from examples.demo.weights import LlamaConfig, LlamaWeights
+from portable_spec import apply_vocab_mask
 
 __all__ = ["TorchLaunch", "TorchLlama"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.demo.gguf_vocab import gguf_reader, smollm2_gguf_path
+from portable_spec.testing import gguf_reader, smollm2_gguf_path
 
 __all__ = ["LAYER_KEYS", "LlamaConfig", "LlamaWeights", "load_weights"]
 
@@ -141,7 +141,7 @@ def load_weights(path: str | None = None, dtype: str = "float32") -> LlamaWeight
             are exact in float32).
 
     Takes a few seconds for SmolLM2, most of it parsing the GGUF's metadata, which is done
-    once per process (:func:`portable_spec.demo.gguf_vocab.gguf_reader`, shared with the
+    once per process (:func:`portable_spec.testing.gguf_reader`, shared with the
     vocabulary); the float64 weights are widened from the cached float32 ones.
     """
     if dtype not in ("float32", "float64"):

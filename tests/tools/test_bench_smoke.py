@@ -36,7 +36,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]
         [
             sys.executable,
             "-m",
-            "portable_spec.bench",
+            "tools.bench",
             "--quick",
             "--json",
             json_path,
@@ -167,7 +167,7 @@ def test_cli_routes_bench_help(capsys):
 
 def test_engines_section(quick_run):
     """Every installed engine against its own loop: both shapes, rows agree with the loop."""
-    from portable_spec.bench.engines import available_engines
+    from tools.bench.engines import available_engines
 
     payload, _, stdout = quick_run
     records = payload["engines"]
@@ -203,7 +203,7 @@ def test_chains_section(quick_run):
 
 @pytest.mark.parametrize("value", ["2", "-0.5", "half", ""])
 def test_chain_reasoning_option_is_checked(value):
-    from portable_spec.bench import parse_args
+    from tools.bench import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--chain-reasoning", value])
@@ -212,7 +212,7 @@ def test_chain_reasoning_option_is_checked(value):
 
 def test_percall_section(quick_run):
     """One batch-1 call, phase by phase, warm and with the caches evicted."""
-    from portable_spec.bench.percall import PERCALL_PHASES
+    from tools.bench.percall import PERCALL_PHASES
 
     payload, _, stdout = quick_run
     records = payload["percall"]
@@ -228,7 +228,7 @@ def test_percall_section(quick_run):
 def test_per_call_targets_are_decided_by_the_records():
     """The targets table reads the sections' records: each bound applied to every
     configuration it names, a geomean target to the geomean, missing records: not run."""
-    from portable_spec.bench.percall import issue_targets
+    from tools.bench.percall import issue_targets
 
     def chain(k, batch, share, ratio):
         return {"k": k, "batch": batch, "pool_reasoning_share": share,

@@ -1,4 +1,5 @@
-"""The ``portable-spec`` command line as a user meets it: pipes closed early, readable output."""
+"""The checkout's command line (``python -m tools``, ``scripts/*.sh``) as a user meets it: pipes
+closed early, readable output."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ import pytest
 # these code points ("Ġ" a space, "Ċ" a newline, "ĉ" a tab)
 BYTE_ALPHABET = re.compile("[\u0100-\u0143]")
 
+# the checkout: the tools run from there (they are not installed)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def _closed_pipe_run(*args: str) -> subprocess.CompletedProcess:
-    """Run ``python -m portable_spec ARGS`` with its stdout a pipe nobody reads any more (as
-    in ``portable-spec --help | head -3`` once ``head`` has exited)."""
+    """Run ``python -m tools ARGS`` with its stdout a pipe nobody reads any more (as in
+    ``python -m tools --help | head -3`` once ``head`` has exited)."""
     read, write = os.pipe()
     os.close(read)
     try:
         return subprocess.run(
-            [sys.executable, "-m", "portable_spec", *args],
+            [sys.executable, "-m", "tools", *args],
+            cwd=ROOT,
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
@@ -43,19 +48,20 @@ def test_a_reader_that_leaves_early_gets_no_traceback(args):
 
 def test_help_through_head_is_quiet():
     done = subprocess.run(
-        ["bash", "-c", f"'{sys.executable}' -m portable_spec --help | head -1"],
+        ["bash", "-c", f"'{sys.executable}' -m tools --help | head -1"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.stdout == "usage: portable-spec <command> [options]\n"
+    assert done.stdout == "usage: python -m tools <command> [options]\n"
     assert done.stderr == ""
 
 
 def test_decode_tokens_gives_the_tokenizers_text(smollm2, tok):
     """The masks command's decoding against the `tokenizers` library's byte-level decoder."""
-    from portable_spec.demo.gguf_vocab import tokenizer_info
-    from portable_spec.masks_cli import decode_tokens
+    from portable_spec.testing import tokenizer_info
+    from tools.masks import decode_tokens
 
     info = tokenizer_info()
     rng = np.random.default_rng(0)
@@ -73,7 +79,7 @@ def test_decode_tokens_gives_the_tokenizers_text(smollm2, tok):
 
 
 def test_masks_prints_paths_as_text(capsys):
-    from portable_spec.masks_cli import main
+    from tools.masks import main
 
     assert main(["--batch", "6", "--nodes", "16", "--seed", "3"]) == 0
     out = capsys.readouterr().out

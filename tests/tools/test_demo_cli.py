@@ -1,4 +1,4 @@
-"""``portable-spec demo``: the JSON record, progress lines, and clear errors for bad input."""
+"""The demo (``scripts/demo.sh``): the JSON record, progress lines, and clear errors for bad input."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from portable_spec.cli import main as portable_spec
-from portable_spec.demo.cli import main
+from examples.demo.cli import main
+from tools.cli import main as tools_main
 
 pytest.importorskip("gguf")
 
@@ -43,7 +43,7 @@ def test_plain_text_run_prints_progress_per_step(request, capsys, tmp_path):
         pytest.skip("torch not selected by --backend")
     grammar = tmp_path / "kv.ebnf"
     grammar.write_text('root ::= "port = " [0-9]+ "\\n"\n')
-    rc = portable_spec(
+    rc = tools_main(
         ["demo", "--backend", "torch", "--ebnf", str(grammar), "--no-spec", "--no-warmup"]
     )
     out, err = capsys.readouterr()
@@ -98,7 +98,7 @@ def test_compare_runs_plain_and_speculative_in_one_process(request, capsys):
 def test_bad_input_gives_a_clear_error(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("portable-spec demo: error: ")
+    assert err.startswith("scripts/demo.sh: error: ")
     assert message in err
 
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from portable_spec.demo.drafters import NgramDrafter, host_tree_arrays
-from portable_spec.demo.engine import accept_path
+from examples.demo.drafters import NgramDrafter, host_tree_arrays
+from examples.demo.engine import accept_path
 
 
 @st.composite
@@ -126,7 +126,7 @@ def test_accept_path_follows_the_argmax_through_siblings():
 
 # -- grammar-aware n-gram drafts ---------------------------------------------------------------
 def _person_matcher(tok, prefix):
-    from portable_spec.demo.constraints import load_constraint
+    from examples.demo.constraints import load_constraint
 
     m = load_constraint().matcher()
     for t in tok.encode(prefix):
@@ -139,7 +139,7 @@ def test_grammar_aware_ngram_grafts_the_forced_continuation(tok):
     that chain even though the context never contained it; every node is grammar-valid and
     the verify mask from the session equals build_grammar_vocab_mask on the draft's tree."""
     import portable_spec as ps
-    from portable_spec.demo.drafters import GrammarContext
+    from examples.demo.drafters import GrammarContext
 
     text = '{"name": "Ada Lovelace"'
     matcher = _person_matcher(tok, text)
@@ -176,7 +176,7 @@ def test_grammar_aware_ngram_keeps_only_valid_votes(tok):
     """The context votes twice for a string after '":' and once for a number: blind, the
     string branch is drafted first; grammar-aware (the schema wants the age, an integer), only
     the number branch is drafted, and every drafted node is valid."""
-    from portable_spec.demo.drafters import GrammarContext
+    from examples.demo.drafters import GrammarContext
 
     prefix = '{"name": "Ada Lovelace", "age":'
     matcher = _person_matcher(tok, prefix)

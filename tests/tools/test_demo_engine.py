@@ -10,13 +10,13 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from conftest import DEMO_MAX_LEN, require_backends
+from _demo_models import DEMO_MAX_LEN, require_backends
 
-from portable_spec.demo.constraints import load_constraint
-from portable_spec.demo.drafters import NgramDrafter, SelfDrafter
-from portable_spec.demo.engine import generate, required_max_len
-from portable_spec.demo.grammars import PERSON_SCHEMA, REGEX_DATE_EMAIL
-from portable_spec.demo.models import precision
+from examples.demo.constraints import load_constraint
+from examples.demo.drafters import NgramDrafter, SelfDrafter
+from examples.demo.engine import generate, required_max_len
+from examples.demo.models import precision
+from portable_spec.testing import PERSON_SCHEMA, REGEX_DATE_EMAIL
 
 pytest.importorskip("gguf")
 

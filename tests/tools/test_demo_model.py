@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import require_backends
+from _demo_models import require_backends
 
+from examples.demo.models import precision
+from examples.demo.weights import load_weights, unpermute_rows
 from portable_spec import GrammarTree
-from portable_spec.demo.models import precision
-from portable_spec.demo.weights import load_weights, unpermute_rows
 
 pytest.importorskip("gguf")
 
@@ -178,10 +178,10 @@ class Counting(gguf.GGUFReader):
 
 
 gguf.GGUFReader = Counting
-from portable_spec.demo.constraints import load_constraint
-from portable_spec.demo.gguf_vocab import load_vocab, smollm2_gguf_path
-from portable_spec.demo.tokenizer import load_tokenizer
-from portable_spec.demo.weights import load_weights
+from examples.demo.constraints import load_constraint
+from portable_spec.testing import load_vocab, smollm2_gguf_path
+from examples.demo.tokenizer import load_tokenizer
+from examples.demo.weights import load_weights
 
 load_vocab()
 load_vocab(smollm2_gguf_path())
@@ -197,12 +197,12 @@ print(count)
 
 
 def test_backends_ship_only_staging_upload_and_apply():
-    """The demo's models live in portable_spec.demo; no backend module reaches up into it."""
+    """The demo's models live in examples.demo; no backend module reaches up into it."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for path in (root / "backends").rglob("*.py"):
         assert path.name != "model.py", path
-        assert "portable_spec.demo" not in path.read_text(), path
-    assert (root / "portable_spec/demo/jax_model.py").exists()
-    assert (root / "portable_spec/demo/torch_model.py").exists()
+        assert "examples.demo" not in path.read_text(), path
+    assert (root / "examples/demo/jax_model.py").exists()
+    assert (root / "examples/demo/torch_model.py").exists()

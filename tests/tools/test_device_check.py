@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from portable_spec.devicecheck.driver import PARTS
+from tools.devicecheck.driver import PARTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 pytestmark = pytest.mark.slow

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from portable_spec.bench.workloads import synthetic_tokens
-from portable_spec.devicecheck import limits, prepare, wheels
-from portable_spec.devicecheck.correctness import Suite, SuiteRun, _judge, run_suite
-from portable_spec.devicecheck.correctness import summarize_records as summarize
-from portable_spec.devicecheck.driver import PARTS, Options, part_status
-from portable_spec.devicecheck.results import PartRecorder, SkipSection, read_json
-from portable_spec.devicecheck.scaling import thread_counts
+from tools.bench.workloads import synthetic_tokens
+from tools.devicecheck import limits, prepare, wheels
+from tools.devicecheck.correctness import Suite, SuiteRun, _judge, run_suite
+from tools.devicecheck.correctness import summarize_records as summarize
+from tools.devicecheck.driver import PARTS, Options, part_status
+from tools.devicecheck.results import PartRecorder, SkipSection, read_json
+from tools.devicecheck.scaling import thread_counts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- pytest outcomes --------------------------------------------------------------------------
@@ -302,15 +302,15 @@ def test_version_keys_order_releases(text):
 def quick_profile():
     import dataclasses
 
-    from portable_spec.bench.timing import RoundPlan
-    from portable_spec.devicecheck.profiles import CPU
+    from tools.bench.timing import RoundPlan
+    from tools.devicecheck.profiles import CPU
 
     return dataclasses.replace(CPU, plan=RoundPlan(min_rounds=1, max_rounds=1, budget_s=0.0))
 
 
 def test_overlap_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
     torch = pytest.importorskip("torch")
-    from portable_spec.devicecheck.overlap import VerifyStandIn, measure_overlap
+    from tools.devicecheck.overlap import VerifyStandIn, measure_overlap
 
     device = torch.device("cpu")
     rows = quick_profile.overlap_batch * quick_profile.nodes
@@ -340,7 +340,7 @@ def test_overlap_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
 
 def test_upload_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
     torch = pytest.importorskip("torch")
-    from portable_spec.devicecheck.torch_timings import upload_one
+    from tools.devicecheck.torch_timings import upload_one
 
     host = np.random.default_rng(0).integers(-(2**31), 2**31, (64, 4096)).astype(np.int32)
     rec = PartRecorder(str(tmp_path / "torch.json"), "timings.torch", "cpu")
@@ -357,7 +357,7 @@ def test_upload_measurement_runs_on_a_cpu_device(tmp_path, quick_profile):
 
 def _render(rec):
     """The Markdown report of a payload holding only ``rec``'s part."""
-    from portable_spec.devicecheck import report
+    from tools.devicecheck import report
 
     part = {"status": "passed", "reasons": [], "title": rec.data["part"], **rec.data}
     payload = {"mode": "cpu", "exit_code": 0, "parts": {rec.data["part"]: part}}
@@ -365,7 +365,7 @@ def _render(rec):
 
 
 def test_run_rounds_times_with_the_given_timer():
-    from portable_spec.bench.timing import Method, RoundPlan, run_rounds
+    from tools.bench.timing import Method, RoundPlan, run_rounds
 
     calls = []
 

@@ -1,7 +1,8 @@
-"""``python -m portable_spec.bench``: the same as ``portable-spec bench``."""
+"""``python -m tools.bench``: the benchmark (see :mod:`tools.bench.cli`)."""
 
 import sys
 
-from portable_spec.bench import main
+from tools.bench.cli import main
+from tools.cli import run_main
 
-sys.exit(main())
+sys.exit(run_main(main))

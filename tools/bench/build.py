@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -42,7 +42,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Batch, RequestPool, Setup, make_pool
+from tools.bench.workloads import Batch, RequestPool, Setup, make_pool
 
 __all__ = [
     "BUILD_LABELS",

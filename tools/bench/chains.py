@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -54,7 +54,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Setup, allowed_tokens, make_pool
+from tools.bench.workloads import Setup, allowed_tokens, make_pool
 
 __all__ = ["CHAIN_METHODS", "ChainBatch", "ChainPool", "chain_pool", "run_chains_section"]
 
@@ -157,7 +157,7 @@ def chain_pool(
 ) -> ChainPool:
     """``size`` requests with ``k`` drafts each: ``round(size * reasoning_share)`` still
     reasoning, the others in the answer (drawn by
-    :func:`~portable_spec.bench.workloads.make_pool`)."""
+    :func:`~tools.bench.workloads.make_pool`)."""
     import xgrammar as xgr
 
     thinking = round(size * reasoning_share)

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.build import library_build, xgrammar_loop
-from portable_spec.bench.timing import (
+from tools.bench.build import library_build, xgrammar_loop
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -38,7 +38,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Batch, RequestPool, Setup, make_pool
+from tools.bench.workloads import Batch, RequestPool, Setup, make_pool
 
 __all__ = ["ENGINES", "available_engines", "engine_pool", "run_engine_config"]
 
@@ -125,10 +125,10 @@ def engine_pool(
     setup: Setup, engine: str, kind: str, shape: str, nodes: int, size: int, **options: Any
 ) -> RequestPool | None:
     """A request pool of ``engine``'s own matchers (None: the engine cannot express
-    ``kind``). ``options`` go to :func:`~portable_spec.bench.workloads.make_pool`."""
+    ``kind``). ``options`` go to :func:`~tools.bench.workloads.make_pool`."""
     if engine == "xgrammar":
         return make_pool(setup, kind, shape, nodes, size, **options)
-    from portable_spec.demo import grammar_engines as ge
+    from portable_spec import testing as ge
 
     sample = _KINDS[engine][kind]
     if sample is None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -37,7 +37,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Batch, RequestPool, Setup, make_pool
+from tools.bench.workloads import Batch, RequestPool, Setup, make_pool
 
 __all__ = [
     "LAYOUT_VOCABS",
@@ -72,7 +72,7 @@ class LayoutGrid:
 
 def layout_setup(vocab: str) -> Setup:
     """``"smollm2"``: the GGUF's vocabulary; a number: a synthetic vocabulary of that size."""
-    from portable_spec.bench.workloads import load_setup, synthetic_setup
+    from tools.bench.workloads import load_setup, synthetic_setup
 
     if vocab == "smollm2":
         return load_setup((KIND,))
@@ -88,8 +88,8 @@ def _build_methods(
     setup: Setup, layouts: Sequence[str], nodes: int, batch: int
 ) -> tuple[list[Method[Batch]], dict[str, Any]]:
     import portable_spec as ps
-    from portable_spec.bench.build import library_build, xgrammar_loop
     from portable_spec.masks import compact_views, index_words
+    from tools.bench.build import library_build, xgrammar_loop
 
     vocab, words, rows = setup.vocab_size, setup.words, batch * nodes
     reused = np.full((rows, words), -1, dtype=np.int32)
@@ -281,7 +281,7 @@ def run_layout_section(
     advance: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (vocabulary, nodes, batch) configuration of ``grid``."""
-    from portable_spec.bench.build import warm_matchers
+    from tools.bench.build import warm_matchers
 
     policy = policy or QuietPolicy()
     results = []
@@ -364,7 +364,7 @@ def run_async_section(
 ) -> list[dict[str, Any]]:
     """Per vocabulary: the blocking call, the ``wait=False`` call's return and ``wait=False``
     through ``result()`` (numpy backend: the build is all there is)."""
-    from portable_spec.bench.build import warm_matchers
+    from tools.bench.build import warm_matchers
 
     policy = policy or QuietPolicy()
     results = []
@@ -512,7 +512,7 @@ def layout_targets(
     layout: Sequence[dict[str, Any]], pending: Sequence[dict[str, Any]]
 ) -> list[Any]:
     """The compact-layout and ``wait=False`` targets (issue 13), as :class:`report.Target`."""
-    from portable_spec.bench.report import Target
+    from tools.bench.report import Target
 
     def big(r: dict[str, Any]) -> bool:
         return r["vocab_size"] >= 131072 and r["batch"] == 64 and "compact" in r["speedup"]

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -49,7 +49,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import RequestPool, Setup
+from tools.bench.workloads import RequestPool, Setup
 
 __all__ = ["run_overlap_section"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     RoundPlan,
@@ -43,7 +43,7 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Setup
+from tools.bench.workloads import Setup
 
 __all__ = [
     "PERCALL_PHASES",
@@ -78,9 +78,9 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
 
     import portable_spec as ps
     from portable_spec import native
-    from portable_spec.bench.chains import ChainBatch, serial_fill
     from portable_spec.grammars import classify_grammars
     from portable_spec.pending import check_not_pending
+    from tools.bench.chains import ChainBatch, serial_fill
 
     vocab, words, nodes = setup.vocab_size, setup.words, k + 1
     out = np.full((nodes, words), -1, dtype=np.int32)
@@ -159,7 +159,7 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
 
 
 def _request_pool(setup: Setup, k: int, size: int, on_grammar: float, seed: int) -> list[Any]:
-    from portable_spec.bench.chains import chain_pool
+    from tools.bench.chains import chain_pool
 
     pool = chain_pool(setup, k, size, reasoning_share=0.0, on_grammar=on_grammar, seed=seed)
     return [(m, list(d)) for m, d in zip(pool.matchers, pool.drafts, strict=True)]
@@ -248,7 +248,7 @@ ENGINE_BATCHES = (1, 8, 64, 256)
 def issue_targets(payload: dict[str, Any]) -> list[Any]:
     """The per-call targets, decided by this run's records (``chains``, ``layout``, ``build``,
     ``engines``, ``percall``); a target without records is reported as not run."""
-    from portable_spec.bench.report import Target
+    from tools.bench.report import Target
 
     targets: list[Target] = []
 
@@ -331,7 +331,7 @@ def issue_targets(payload: dict[str, Any]) -> list[Any]:
 
 def issue_targets_table(targets: Sequence[Any], cores: int) -> str:
     """One row per target: bound, configurations, geomean, worst, met or missed."""
-    from portable_spec.bench.report import targets_table
+    from tools.bench.report import targets_table
 
     return targets_table(targets, cores)
 
@@ -350,10 +350,10 @@ def run_targets_section(
 ) -> dict[str, list[dict[str, Any]]]:
     """Run every configuration :func:`issue_targets` reads; return the records per section
     (``chains``, ``layout``, ``build``, ``engines``, ``percall``)."""
-    from portable_spec.bench.build import BuildGrid, run_build_section
-    from portable_spec.bench.chains import run_chains_section
-    from portable_spec.bench.engines import available_engines, run_engines_section
-    from portable_spec.bench.layouts import LayoutGrid, run_layout_section
+    from tools.bench.build import BuildGrid, run_build_section
+    from tools.bench.chains import run_chains_section
+    from tools.bench.engines import available_engines, run_engines_section
+    from tools.bench.layouts import LayoutGrid, run_layout_section
 
     policy = policy or QuietPolicy()
 

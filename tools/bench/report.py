@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from portable_spec.bench.build import BUILD_LABELS, BUILD_METHODS
-from portable_spec.bench.timing import geomean
+from tools.bench.build import BUILD_LABELS, BUILD_METHODS
+from tools.bench.timing import geomean
 
 __all__ = [
     "Target",

@@ -80,8 +80,7 @@ def load_setup(kinds: tuple[str, ...] = GRAMMAR_KINDS) -> Setup:
     """Load SmolLM2's vocabulary and compile the sample grammars (a few seconds)."""
     import xgrammar as xgr
 
-    from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
-    from portable_spec.demo.grammars import compile_sample
+    from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
 
     vocab = load_vocab()
     info = tokenizer_info(vocab)
@@ -133,7 +132,7 @@ def synthetic_setup(
     the sample grammars ``kinds`` compiled (about 2 seconds at 131072 tokens)."""
     import xgrammar as xgr
 
-    from portable_spec.demo.grammars import compile_sample
+    from portable_spec.testing import compile_sample
 
     tokens = synthetic_tokens(vocab_size, seed=seed)
     info = xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[0])

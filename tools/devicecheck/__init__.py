@@ -1,6 +1,6 @@
 """The device check: the GPU proof of the library in one command (``scripts/device-check.sh``).
 
-Parts, each under a time limit (see :mod:`portable_spec.devicecheck.driver`):
+Parts, each under a time limit (see :mod:`tools.devicecheck.driver`):
 
 ``environment``      machine, GPU, versions; which packages were imported from where
 ``correctness``      pytest on the accelerator tests (:data:`.correctness.SUITES`)

@@ -1,4 +1,4 @@
-"""``python -m portable_spec.devicecheck``: the device check (see ``scripts/device-check.sh``).
+"""``python -m tools.devicecheck``: the device check (see ``scripts/device-check.sh``).
 
 Subcommands: ``run`` (the check; what the script calls), ``part`` (one part, internal),
 ``export-vocab PATH`` (SmolLM2's vocabulary as a file that travels), ``check-wheels DIR``
@@ -30,7 +30,7 @@ def _limits(pairs: Sequence[str]) -> dict[str, float]:
 
 
 def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from portable_spec.devicecheck.driver import BY_NAME, Options, run_check
+    from tools.devicecheck.driver import BY_NAME, Options, run_check
 
     parts = tuple(args.parts.split(",")) if args.parts else tuple(BY_NAME)
     unknown = [p for p in parts if p not in BY_NAME]
@@ -56,9 +56,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _part(args: argparse.Namespace) -> int:
-    from portable_spec.devicecheck.driver import BY_NAME
-    from portable_spec.devicecheck.profiles import profile_for
-    from portable_spec.devicecheck.results import PartRecorder
+    from tools.devicecheck.driver import BY_NAME
+    from tools.devicecheck.profiles import profile_for
+    from tools.devicecheck.results import PartRecorder
 
     spec = BY_NAME[args.name]
     assert spec.module is not None, f"{args.name} is not run as a part process"
@@ -74,10 +74,10 @@ def _part(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    from portable_spec.devicecheck.limits import DEFAULT_TOTAL_S
+    from tools.devicecheck.limits import DEFAULT_TOTAL_S
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m portable_spec.devicecheck")
+    p = argparse.ArgumentParser(prog="python -m tools.devicecheck")
     sub = p.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the check (scripts/device-check.sh calls this)")
     run.add_argument("--cpu", action="store_true", help="no GPU: GPU parts are skipped")
@@ -113,12 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "part":
         return _part(args)
     if args.command == "export-vocab":
-        from portable_spec.demo.gguf_vocab import load_vocab, save_vocab
+        from portable_spec.testing import load_vocab, save_vocab
 
         save_vocab(load_vocab(), args.path)
         return 0
     if args.command == "check-wheels":
-        from portable_spec.devicecheck.wheels import missing_requirements
+        from tools.devicecheck.wheels import missing_requirements
 
         problems = missing_requirements(args.folder)
         for wheel, names in problems.items():

@@ -2,7 +2,7 @@
 
 :data:`SUITES` is the one list of what runs; add a file (or a glob) there. Each suite is one
 pytest process (a CUDA fault in one cannot take the others' results with it), started with
-``-p portable_spec.devicecheck.pytest_record`` so that every test's outcome is on disk as soon
+``-p tools.devicecheck.pytest_record`` so that every test's outcome is on disk as soon
 as it is known, even when the suite is killed at its time limit.
 
 On the GPU machine a suite also fails when a test skipped because no GPU was found (reasons in
@@ -78,6 +78,20 @@ SUITES: tuple[Suite, ...] = (
 NO_GPU_REASONS = ("no CUDA device", "needs a CUDA device", "has 0 gpu device", "needs a GPU")
 
 RECORD_ENV = "PORTABLE_SPEC_CHECK_RECORD"
+#: the checkout holding ``tools/``: the tools are not installed, and every process of the check
+#: runs with ``-P`` (the installed library, never the checkout's, comes first)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def checkout_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: ``os.environ``) whose ``PYTHONPATH`` ends with the checkout
+    (:data:`CHECKOUT`), so that a ``-P`` child finds ``tools`` but takes ``portable_spec`` from
+    wherever it is installed first."""
+    out = dict(os.environ if env is None else env)
+    paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if CHECKOUT not in paths:
+        out["PYTHONPATH"] = os.pathsep.join([*paths, CHECKOUT])
+    return out
 
 
 def _files(root: str, patterns: tuple[str, ...]) -> list[str]:
@@ -205,8 +219,8 @@ def run_suite(
         os.remove(record)
     command = [python, "-P", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
     command += ["-m", "slow or not slow"]  # every test of the suite, slow ones included
-    command += ["-p", "portable_spec.devicecheck.pytest_record", *files, *args]
-    child_env = dict(os.environ if env is None else env, **{RECORD_ENV: record})
+    command += ["-p", "tools.devicecheck.pytest_record", *files, *args]
+    child_env = dict(checkout_env(env), **{RECORD_ENV: record})
     log.write(f"\n===== suite {suite.name}: {' '.join(command)}\n")
     log.flush()
     start = time.perf_counter()

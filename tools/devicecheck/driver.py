@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from portable_spec.devicecheck import report
-from portable_spec.devicecheck.correctness import SUITES, kill_group, run_suite
-from portable_spec.devicecheck.limits import calibrate, scaled_limit
-from portable_spec.devicecheck.results import read_json
+from tools.devicecheck import report
+from tools.devicecheck.correctness import SUITES, checkout_env, kill_group, run_suite
+from tools.devicecheck.limits import calibrate, scaled_limit
+from tools.devicecheck.results import read_json
 
 __all__ = ["PARTS", "PartSpec", "machine_summary", "part_status", "run_check"]
 
@@ -51,12 +51,12 @@ class PartSpec:
 
 
 PARTS: tuple[PartSpec, ...] = (
-    PartSpec("environment", "Environment", 60.0, "portable_spec.devicecheck.environment", True),
+    PartSpec("environment", "Environment", 60.0, "tools.devicecheck.environment", True),
     PartSpec("correctness", "Correctness (pytest)", 180.0, None, True),
-    PartSpec("timings.torch", "Timings: torch", 50.0, "portable_spec.devicecheck.torch_timings"),
-    PartSpec("timings.jax", "Timings: JAX", 45.0, "portable_spec.devicecheck.jax_timings"),
-    PartSpec("timings.overlap", "Timings: overlap", 45.0, "portable_spec.devicecheck.overlap"),
-    PartSpec("scaling", "Thread scaling", 60.0, "portable_spec.devicecheck.scaling"),
+    PartSpec("timings.torch", "Timings: torch", 50.0, "tools.devicecheck.torch_timings"),
+    PartSpec("timings.jax", "Timings: JAX", 45.0, "tools.devicecheck.jax_timings"),
+    PartSpec("timings.overlap", "Timings: overlap", 45.0, "tools.devicecheck.overlap"),
+    PartSpec("scaling", "Thread scaling", 60.0, "tools.devicecheck.scaling"),
 )
 BY_NAME = {p.name: p for p in PARTS}
 #: a part is started only with at least this many seconds left before the deadline
@@ -136,12 +136,17 @@ def _run_part(spec: PartSpec, options: Options, limit: float, log: TextIO) -> di
     result = os.path.join(options.work, f"part-{spec.name}.json")
     if os.path.exists(result):
         os.remove(result)
-    command = [sys.executable, "-P", "-m", "portable_spec.devicecheck", "part", spec.name]
+    command = [sys.executable, "-P", "-m", "tools.devicecheck", "part", spec.name]
     command += ["--mode", options.mode, "--result", result]
     log.write(f"\n===== part {spec.name} (limit {limit:.0f} s): {' '.join(command)}\n")
     log.flush()
     proc = subprocess.Popen(
-        command, cwd=options.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        cwd=options.root,
+        env=checkout_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     timed_out = False
     try:

@@ -15,9 +15,9 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
-from portable_spec.bench.timing import usable_cores
-from portable_spec.devicecheck.profiles import Profile
-from portable_spec.devicecheck.results import PartRecorder
+from tools.bench.timing import usable_cores
+from tools.devicecheck.profiles import Profile
+from tools.devicecheck.results import PartRecorder
 
 __all__ = ["run"]
 

@@ -3,11 +3,11 @@
 
 staging (fresh ``[batch, nodes]`` int32 device arrays each round)
     ``from_device (launch)``, ``from_device+resolve`` and a blocking ``np.asarray`` (``plain``)
-    (``portable_spec.bench.staging.tree_methods``).
+    (``tools.bench.staging.tree_methods``).
 upload
     ``backend.upload`` (pooled host buffer, ``jax.device_put``), ``jax.device_put`` of a
     private copy (``plain copy``) and of the array itself (``plain alias``)
-    (``portable_spec.bench.staging.upload_methods``).
+    (``tools.bench.staging.upload_methods``).
 apply (each inside ``jax.jit(..., donate_argnums=0)``, fed its own previous output)
     ``apply_vocab_mask`` against a ``jnp.where`` select over an already unpacked
     ``[rows, vocab]`` bool mask. The warm-up round checks that both give identical logits.
@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.staging import upload_methods
-from portable_spec.bench.timing import Method, median, run_rounds
-from portable_spec.bench.workloads import RequestPool, Setup, synthetic_setup
-from portable_spec.devicecheck.profiles import Profile
-from portable_spec.devicecheck.results import PartRecorder
-from portable_spec.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
+from tools.bench.staging import upload_methods
+from tools.bench.timing import Method, median, run_rounds
+from tools.bench.workloads import RequestPool, Setup, synthetic_setup
+from tools.devicecheck.profiles import Profile
+from tools.devicecheck.results import PartRecorder
+from tools.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
 
 __all__ = ["run"]
 

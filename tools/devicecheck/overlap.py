@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.build import warm_matchers
-from portable_spec.bench.timing import Method, cuda_event_timer, host_timer, median, run_rounds
-from portable_spec.bench.workloads import synthetic_setup
-from portable_spec.devicecheck.profiles import Profile
-from portable_spec.devicecheck.results import PartRecorder, SkipSection
-from portable_spec.devicecheck.workload import describe, json_pool, tiled_mask
+from tools.bench.build import warm_matchers
+from tools.bench.timing import Method, cuda_event_timer, host_timer, median, run_rounds
+from tools.bench.workloads import synthetic_setup
+from tools.devicecheck.profiles import Profile
+from tools.devicecheck.results import PartRecorder, SkipSection
+from tools.devicecheck.workload import describe, json_pool, tiled_mask
 
 __all__ = ["LAYER_MATMULS", "VerifyStandIn", "measure_overlap", "run"]
 

@@ -2,7 +2,7 @@
 
 Run as a file, before the package is importable (standard library only)::
 
-    python3 portable_spec/devicecheck/prepare.py --site DIR [--wheels DIR] --status FILE
+    python3 tools/devicecheck/prepare.py --site DIR [--wheels DIR] --status FILE
 
 1. Carried wheels (``scripts/fetch-device-wheels.sh``) go to ``DIR`` with ``pip install
    --no-index --no-deps --target``, except those whose distribution the running Python already

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from portable_spec.bench.timing import RoundPlan
+from tools.bench.timing import RoundPlan
 
 __all__ = ["CPU", "GPU", "Profile", "profile_for"]
 

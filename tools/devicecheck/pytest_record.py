@@ -1,6 +1,6 @@
 """pytest plugin: one JSON line per test event, written as it happens.
 
-Loaded with ``-p portable_spec.devicecheck.pytest_record`` when ``$PORTABLE_SPEC_CHECK_RECORD``
+Loaded with ``-p tools.devicecheck.pytest_record`` when ``$PORTABLE_SPEC_CHECK_RECORD``
 names the output file. Lines: ``{"event": "start", "nodeid"}`` when a test starts (so a run
 killed at its time limit shows which test hung), ``{"event": "report", "nodeid", "when",
 "outcome", "reason"?, "message"?}`` for every call report and every setup/teardown report that

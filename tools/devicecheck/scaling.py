@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.build import build_methods, warm_matchers
-from portable_spec.bench.timing import (
+from tools.bench.build import build_methods, warm_matchers
+from tools.bench.timing import (
     Method,
     QuietPolicy,
     measure_quietly,
@@ -28,10 +28,10 @@ from portable_spec.bench.timing import (
     run_rounds,
     usable_cores,
 )
-from portable_spec.bench.workloads import Batch, synthetic_setup
-from portable_spec.devicecheck.profiles import Profile
-from portable_spec.devicecheck.results import PartRecorder
-from portable_spec.devicecheck.workload import describe, json_pool
+from tools.bench.workloads import Batch, synthetic_setup
+from tools.devicecheck.profiles import Profile
+from tools.devicecheck.results import PartRecorder
+from tools.devicecheck.workload import describe, json_pool
 
 __all__ = ["run", "thread_counts"]
 

@@ -1,13 +1,13 @@
 """Part 2a, torch timings: tree staging, mask upload and apply, on CUDA (CPU under ``--cpu``).
 
-Medians of interleaved rounds (``portable_spec.bench.timing.run_rounds``); GPU work is timed
+Medians of interleaved rounds (``tools.bench.timing.run_rounds``); GPU work is timed
 with CUDA events (``cuda_event_timer``: the span of the queued work, host launch overhead kept
 out by a short spin queued first), host-visible latencies with ``time.perf_counter``.
 
 staging (host time; fresh ``[batch, nodes]`` int64 device tensors each round)
     ``from_device (launch)``: what the engine pays before launching the verify forward;
     ``from_device+resolve``: until the host arrays are readable; ``plain``: a blocking
-    ``.cpu().numpy()`` of the three tensors. (``portable_spec.bench.staging.tree_methods``.)
+    ``.cpu().numpy()`` of the three tensors. (``tools.bench.staging.tree_methods``.)
 upload (GPU only; host time until ``torch.cuda.synchronize()`` returns, which also covers a
 copy the library may issue on a stream of its own)
     ``backend.upload``: the library's upload of a pooled pinned buffer (filled untimed);
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.timing import (
+from tools.bench.timing import (
     Method,
     Timer,
     cuda_event_timer,
@@ -35,10 +35,10 @@ from portable_spec.bench.timing import (
     median,
     run_rounds,
 )
-from portable_spec.bench.workloads import RequestPool, Setup, synthetic_setup
-from portable_spec.devicecheck.profiles import Profile
-from portable_spec.devicecheck.results import PartRecorder, SkipSection
-from portable_spec.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
+from tools.bench.workloads import RequestPool, Setup, synthetic_setup
+from tools.devicecheck.profiles import Profile
+from tools.devicecheck.results import PartRecorder, SkipSection
+from tools.devicecheck.workload import describe, json_pool, staging_timings, tiled_mask
 
 __all__ = ["run", "unpack_mask_torch", "upload_one"]
 

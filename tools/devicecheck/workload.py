@@ -1,5 +1,5 @@
 """The workload every timing part shares: a synthetic 131072-token vocabulary, the sample JSON
-schema and EAGLE-like trees (``portable_spec.bench.workloads``), and real masks built from it."""
+schema and EAGLE-like trees (``tools.bench.workloads``), and real masks built from it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.bench.apply import build_wide_mask
-from portable_spec.bench.workloads import RequestPool, Setup, make_pool
+from tools.bench.apply import build_wide_mask
+from tools.bench.workloads import RequestPool, Setup, make_pool
 
 __all__ = ["describe", "json_pool", "tiled_mask"]
 
@@ -48,8 +48,8 @@ def staging_timings(
     """Time ``from_device`` + ``resolve()`` against a plain blocking read of the same tree
     arrays (``plain``: how that read is named in the check), for every staging batch of the
     profile; record one entry per batch in ``rec``'s ``staging`` section."""
-    from portable_spec.bench.staging import device_tree, tree_methods
-    from portable_spec.bench.timing import median, run_rounds
+    from tools.bench.staging import device_tree, tree_methods
+    from tools.bench.timing import median, run_rounds
 
     for batch in profile.staging_batches:
 
