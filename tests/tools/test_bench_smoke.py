@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,10 @@ pytestmark = pytest.mark.slow  # a whole quick benchmark run: over a minute
 
 def _finite_positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+# the checkout
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]
         text=True,
         timeout=600,
         env=env,
+        cwd=ROOT,  # the tools run from the checkout
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(json_path, encoding="utf-8") as f:
@@ -203,7 +209,7 @@ def test_chains_section(quick_run):
 
 @pytest.mark.parametrize("value", ["2", "-0.5", "half", ""])
 def test_chain_reasoning_option_is_checked(value):
-    from tools.bench import parse_args
+    from tools.bench.cli import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--chain-reasoning", value])
