@@ -163,7 +163,7 @@ def test_targets_and_outputs(quick_run):
 
 
 def test_cli_routes_bench_help(capsys):
-    from portable_spec import cli
+    from tools import cli
 
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])
