@@ -6,13 +6,13 @@
 # On a GPU machine (Python >= 3.11 with CUDA builds of torch and jax, numpy, pytest,
 # hypothesis): installs the wheels in .device/ if there are any (scripts/fetch-device-wheels.sh,
 # for a machine without network) and the project into a private folder on PYTHONPATH, never
-# over the machine's packages, then runs every part (python -m portable_spec.devicecheck) and
+# over the machine's packages, then runs every part (python -m tools.devicecheck) and
 # writes device-check.json, device-check.md and device-check.log into --out.
 #   --cpu      the same on a machine without a GPU, with the project's .venv (GPU parts are
 #              reported as skipped); what CI runs
 #   --install  rehearse the private install under --cpu too (always done on the GPU machine)
 # Other options go to the driver: --limit PART=SECONDS, --total SECONDS, --parts a,b.
-# Time limits only catch hangs (45 minutes in all; see portable_spec/devicecheck/limits.py).
+# Time limits only catch hangs (45 minutes in all; see tools/devicecheck/limits.py).
 # Exit status: 0 passed; 1 a correctness part or a check failed; 2 another part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +68,7 @@ trap 'rm -rf "$work"' EXIT
 status=()
 if [ -n "$install" ]; then
   site=$work/site
-  timeout 1800 "$py" portable_spec/devicecheck/prepare.py --root . --site "$site" \
+  timeout 1800 "$py" tools/devicecheck/prepare.py --root . --site "$site" \
     --wheels .device/wheels --status "$work/prepare.json" 2>&1 | tee -a "$out/device-check.log"
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
   export PORTABLE_SPEC_CHECK_SITE=$site
@@ -77,7 +77,9 @@ fi
 
 cpu=()
 [ "$mode" = cpu ] && cpu=(--cpu)
-"$py" -P -m portable_spec.devicecheck run ${cpu[@]+"${cpu[@]}"} --out "$out" --work "$work" \
+# -P: the checkout is not on the path, so the library comes from where it is installed; the
+# tools (not installed) are found at the end of PYTHONPATH.
+PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD "$py" -P -m tools.devicecheck run ${cpu[@]+"${cpu[@]}"} --out "$out" --work "$work" \
   --root "$PWD" ${status[@]+"${status[@]}"} ${extra[@]+"${extra[@]}"}
 rc=$?
 if [ ! -s "$out/device-check.json" ]; then  # the driver could not even start

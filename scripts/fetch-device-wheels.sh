@@ -31,8 +31,8 @@ mkdir -p .device/wheels
 "$py" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
   --python-version "${DEVICE_PYTHON:-3.12}" --implementation cp "${PLATFORMS[@]/#/--platform=}" \
   -d .device/wheels "${WHEELS[@]}"
-"$py" -m portable_spec.devicecheck check-wheels .device/wheels
-"$py" -m portable_spec.devicecheck export-vocab .device/smollm2-vocab.json.gz
+"$py" -m tools.devicecheck check-wheels .device/wheels
+"$py" -m tools.devicecheck export-vocab .device/smollm2-vocab.json.gz
 
 bytes=$(du -sb .device | cut -f1)
 ls -l .device .device/wheels

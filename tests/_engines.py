@@ -152,7 +152,7 @@ class OutlinesRequest(Request):
 
 def engine_request(engine: str, kind: str, eos: int) -> Request:
     """A request of ``engine`` ("xgrammar" excluded) on a sample grammar of SmolLM2."""
-    from portable_spec.demo import grammar_engines as ge
+    from portable_spec import testing as ge
 
     if engine == "llguidance":
         return LLRequest(ge.llguidance_grammar(kind), tokenizer=ge.llguidance_tokenizer(), eos=eos)
@@ -185,7 +185,7 @@ XGRAMMAR_KINDS = ("json_schema", "regex", "builtin_json")
 def engine_factory(vocab: Any, engines: tuple[str, ...], xgrammar_kinds=XGRAMMAR_KINDS):
     """``(make_request, kinds)`` for ``_cases.draw_case``: kinds are ``"engine:grammar"``
     strings for each of ``engines``, ``make_request`` builds the request of one."""
-    from portable_spec.demo import grammar_engines as ge
+    from portable_spec import testing as ge
 
     def make(kind: str) -> Request:
         engine, kind = kind.split(":")

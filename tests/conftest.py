@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import string
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import xgrammar as xgr
 
-from portable_spec.demo.gguf_vocab import load_vocab, smollm2_gguf_path, tokenizer_info
-from portable_spec.demo.grammars import compile_sample
+from portable_spec.testing import compile_sample, load_vocab, smollm2_gguf_path, tokenizer_info
+
+# The tools (tools/) and the demo (examples/demo/) are not installed: they are imported from the
+# checkout. Appended, so that an installed portable_spec (the device check's) stays first.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 GRAMMAR_KINDS = ("json_schema", "ebnf", "regex", "builtin_json")
 
@@ -87,45 +93,12 @@ def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
-# -- the end-to-end demo ---------------------------------------------------------------------
-def require_backends(request: pytest.FixtureRequest, *backends: str) -> None:
-    """Skip unless every backend ("jax", "torch") is among ``--backend`` selections (none
-    given: all run)."""
-    wanted = request.config.getoption("backend", default=None) or []
-    for backend in backends:
-        aliases = ("torch", "cuda") if backend == "torch" else ("jax",)
-        if wanted and not any(w.split("-")[0] in aliases for w in wanted):
-            pytest.skip(f"{backend} not selected by --backend")
-
-
 @pytest.fixture(scope="session")
 def tok() -> Any:
     """SmolLM2's tokenizer, rebuilt from the GGUF."""
-    from portable_spec.demo.tokenizer import load_tokenizer
+    from portable_spec.testing import load_tokenizer
 
     return load_tokenizer()
-
-
-# KV cache positions of the demo models built for the tests
-DEMO_MAX_LEN = 256
-
-
-@pytest.fixture(scope="session")
-def models() -> Any:
-    """``get(backend, dtype)``: the demo model of each backend and dtype, built once per
-    session on first use; use a model inside ``precision(backend, dtype)``."""
-    from portable_spec.demo.models import build_model, precision
-
-    built: dict[tuple[str, str], object] = {}
-
-    def get(backend: str, dtype: str) -> object:
-        key = (backend, dtype)
-        if key not in built:
-            with precision(backend, dtype):
-                built[key] = build_model(backend, dtype, DEMO_MAX_LEN)
-        return built[key]
-
-    return get
 
 
 # -- the cross-backend matrix ------------------------------------------------------------------

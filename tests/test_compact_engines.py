@@ -17,7 +17,7 @@ from _engines import engine_factory, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
 import portable_spec.builder as builder_module  # noqa: E402
-from portable_spec.demo import grammar_engines as ge  # noqa: E402
+from portable_spec import testing as ge  # noqa: E402
 
 SETTINGS = settings(
     max_examples=25,

@@ -421,7 +421,7 @@ def test_outlines_depth_is_refused_before_the_guide_moves(smollm2):
     pytest.importorskip("outlines_core")
     from _engines import fingerprint
 
-    from portable_spec.demo import grammar_engines as ge
+    from portable_spec import testing as ge
 
     guide = ge.outlines_guide("json_schema", max_rollback=2)
     before = fingerprint(guide, smollm2.words, PROBE)
@@ -469,7 +469,7 @@ def test_batches_without_grammars(smollm2):
 
 # -- forced continuations -------------------------------------------------------------------------
 def test_forced_chains_are_the_grammars(smollm2, tok):
-    from portable_spec.demo.grammars import PERSON_SCHEMA
+    from portable_spec.testing import PERSON_SCHEMA
 
     compact = smollm2.compiler.compile_json_schema(json.dumps(PERSON_SCHEMA), any_whitespace=False)
     m = xgr.GrammarMatcher(compact)
@@ -497,7 +497,7 @@ def test_forced_chains_are_the_grammars(smollm2, tok):
 def test_forced_chains_of_other_engines(smollm2, tok):
     llguidance = pytest.importorskip("llguidance")
     pytest.importorskip("outlines_core")
-    from portable_spec.demo import grammar_engines as ge
+    from portable_spec import testing as ge
 
     grammar = llguidance.LLMatcher.grammar_from_regex(r"hello world [0-9]+")
     ll = llguidance.LLMatcher(ge.llguidance_tokenizer(), grammar, log_level=0)
@@ -640,7 +640,7 @@ def test_end_tokens_terminate_their_node(smollm2, tok, kind):
     grammar = smollm2.compiler.compile_grammar('root ::= "a" | "ab"')
     if kind == "llguidance":
         llguidance = pytest.importorskip("llguidance")
-        from portable_spec.demo import grammar_engines as ge
+        from portable_spec import testing as ge
 
         lark = llguidance.LLMatcher.grammar_from_lark('start: "a" | "ab"')
         matcher = llguidance.LLMatcher(ge.llguidance_tokenizer(), lark, log_level=0)

@@ -30,10 +30,10 @@ from _oracle import (
 
 import portable_spec as ps
 import portable_spec.drafting as drafting_module
-from portable_spec.demo.grammars import compile_sample
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pending import check_not_pending
 from portable_spec.registry import get_backend
+from portable_spec.testing import compile_sample
 
 # A JSON-schema path of SmolLM2 tokens below 127 ('{', '"', 'n', 'a'): every integer dtype
 # holds them.
@@ -326,7 +326,7 @@ def test_padding_draft_tokens_print_nothing(smollm2, threads):
     in [49152, 49216) are rejected nodes (all-allowed rows, as the oracle says) and reach no
     xgrammar call that would log them. With 4 threads a 300-node tree is split, and the
     pieces' forks walk paths that start with such tokens."""
-    from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+    from portable_spec.testing import load_vocab, tokenizer_info
 
     padded = 49216
     compiled = compile_sample(xgr.GrammarCompiler(tokenizer_info(vocab_size=padded)), "json_schema")

@@ -185,7 +185,7 @@ import numpy as np, xgrammar as xgr
 sys.path.insert(0, TESTS_DIR)
 from _oracle import ProtocolMatcher
 import portable_spec as ps
-from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info
+from portable_spec.testing import load_vocab, tokenizer_info
 
 vocab = load_vocab()
 grammar = xgr.GrammarCompiler(tokenizer_info(vocab)).compile_builtin_json_grammar()

@@ -109,8 +109,8 @@ def test_interpreter_exits_promptly_with_a_busy_pool():
 
 @pytest.mark.parametrize("backend", ["numpy", "cuda", "jax"])
 def test_bounded_soak(backend):
-    """A CI-sized soak (the full one is `portable-spec soak --steps 20000`)."""
-    from portable_spec.soak import run_soak
+    """A CI-sized soak (the full one is `scripts/soak.sh --steps 20000`)."""
+    from tools.soak import run_soak
 
     result = run_soak(1200, backend, max_batch=8, nodes=12, check_every=100, sample_every=100)
     growth = result["growth"]

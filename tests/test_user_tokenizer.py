@@ -12,7 +12,7 @@ import xgrammar as xgr
 from _oracle import expected_rows
 
 import portable_spec as ps
-from portable_spec.demo.grammars import PERSON_SCHEMA
+from portable_spec.testing import PERSON_SCHEMA
 
 VOCAB = 49152
 TEXT = '{"name": "Ada", "age": 36, "tags": ["x"]}'

