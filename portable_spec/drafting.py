@@ -19,7 +19,7 @@ for every request (``session.nodes`` before the call is the first). A parent of 
 padding slot (no node: all-allowed row, never valid).
 
 Each live node's grammar state is kept (a matcher fork for xgrammar, llguidance and protocol
-matchers with ``fork()``; see :mod:`portable_spec.draftstates` for matchers that cannot
+matchers with ``fork()``; see :mod:`portable_spec.engines` for matchers that cannot
 fork), so a level costs work proportional to its new nodes, and the session's matchers are
 never moved. What is kept is released by :meth:`DraftSession.close` (the ``with`` block's
 end, also when it raises).
@@ -38,17 +38,31 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.api import _arrange, _check_capacity, _check_layout
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, PARALLEL_MIN_NODES, check_vocab_size
-from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates, node_states
+from portable_spec.builder import PARALLEL_MIN_NODES, check_vocab_size
+from portable_spec.delivery import deliver, plan, resolve_target
+from portable_spec.engines.base import MatcherInfo, NodeStates
+from portable_spec.engines.generic import generic_states
+from portable_spec.engines.llguidance import LLGuidanceStates
+from portable_spec.engines.outlines import OutlinesStates
+from portable_spec.engines.walk import LIVE, REFUSED
+from portable_spec.engines.xgrammar import xgrammar_states
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
+from portable_spec.grammars import (
+    GENERIC,
+    LLGUIDANCE,
+    NONE,
+    OUTLINES,
+    XGRAMMAR,
+    classify_grammars,
+    words_for,
+)
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import ALL_ALLOWED
 from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, run_indexed
-from portable_spec.registry import backend_for, get_backend
-from portable_spec.tree import GrammarTree, as_int64
+from portable_spec.registry import backend_for
+from portable_spec.tree import GrammarTree, as_int64, host_array, integer_info
 
 __all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
 
@@ -57,21 +71,22 @@ __all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
 _stores = HostBufferPool(max_free=4)
 
 
+def node_states(kind: int, matcher: Any, info: MatcherInfo, words: int) -> NodeStates:
+    """The draft states of a matcher of ``kind`` (as classified by
+    :func:`portable_spec.grammars.classify_grammars`): its engine's."""
+    if kind == XGRAMMAR:
+        return xgrammar_states(matcher, info, words)
+    if kind == LLGUIDANCE:
+        return LLGuidanceStates(matcher, info, words)
+    if kind == OUTLINES:
+        return OutlinesStates(matcher, info, words)
+    if kind == GENERIC:
+        return generic_states(matcher, info, words)
+    raise ValueError(f"no draft states for matcher kind {kind}")
+
+
 def _is_integer(dtype: Any) -> bool:
     return np.dtype(dtype).kind in "iu"
-
-
-def _to_host(name: str, array: Any) -> np.ndarray:
-    """A host numpy view of a host array (numpy, list, host tensor); device arrays raise."""
-    if isinstance(array, np.ndarray):
-        return array
-    if isinstance(array, (list, tuple, np.generic)):
-        host = np.asarray(array)
-        return host.astype(np.int64) if host.size == 0 else host
-    try:
-        return backend_for(array).to_host(array)
-    except TypeError as exc:
-        raise TypeError(f"{name} must be a host array: {exc}") from exc
 
 
 class _Staged:
@@ -83,18 +98,9 @@ class _Staged:
         infos = []
         for name, array in zip(names, arrays, strict=True):
             if isinstance(array, (list, tuple)):
-                array = np.asarray(array)
-                if array.size == 0:
-                    array = array.astype(np.int64)
+                array = host_array(name, array)
             backend = backend_for(array)
-            try:
-                info = backend.array_info(array)
-            except ValueError as exc:  # a JAX array deleted (donated) before staging
-                raise ValueError(f"{name}: {exc}") from exc
-            except TypeError as exc:  # a torch meta tensor, ...
-                raise TypeError(f"{name}: {exc}") from exc
-            if not info.is_integer:
-                raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
+            info = integer_info(name, array, backend)
             shape = tuple(info.shape)
             if len(shape) == 1 and batch == 1:
                 shape = (1, shape[0])
@@ -130,7 +136,7 @@ class _DraftVocab:
     """An EAGLE-3 style draft vocabulary: draft token ``i`` is target token ``d2t[i]``."""
 
     def __init__(self, d2t: Any, vocab_size: int) -> None:
-        host = _to_host("d2t", d2t)
+        host = host_array("d2t", d2t)
         if not _is_integer(host.dtype):
             raise TypeError(f"d2t must have an integer dtype, got {host.dtype}")
         if host.ndim != 1 or host.size == 0:
@@ -233,7 +239,7 @@ class DraftSession:
         self.batch = len(grammars)
         if self.batch == 0:
             raise ValueError("a draft session needs at least one request")
-        self._backend, self._placement = _resolve_target(device, backend)
+        self._backend, self._placement = resolve_target(device, backend)
         self._draft = None if d2t is None else _DraftVocab(d2t, self.vocab_size)
         kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
         check_not_pending(grammars)  # a pending build is walking them: refused before any move
@@ -556,11 +562,10 @@ class DraftSession:
             def job(b: int = b, states: NodeStates = states, items: list = items) -> None:
                 outcomes = states.grow(items, self._rows[b], self._parents[b], self._tokens[b])
                 for (node, _, _), outcome in zip(items, outcomes, strict=True):
-                    valid[b, node - first] = outcome >= TERMINATED
+                    valid[b, node - first] = outcome != REFUSED
                     live[b, node - first] = outcome == LIVE
 
-            forks = self._kinds[b] == XGRAMMAR and isinstance(states, _ForkStates)
-            (jobs if forks else serial).append((b, job))
+            (jobs if states.parallel else serial).append((b, job))
         if serial:  # Python-bound engines: other threads would only take turns with the GIL
 
             def run_serial() -> None:
@@ -722,7 +727,7 @@ class DraftSession:
         if nodes is None:
             chosen = [0] * self.batch
         else:
-            host = _to_host("nodes", nodes).reshape(-1)
+            host = host_array("nodes", nodes).reshape(-1)
             if not _is_integer(host.dtype) or host.shape != (self.batch,):
                 raise ValueError(f"nodes must be {self.batch} integer node ids, got {host!r}")
             chosen = [int(v) for v in host]
@@ -748,11 +753,8 @@ class DraftSession:
         """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
         request has a grammar). Raises before anything is computed."""
         vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
-        rows = self.batch * nodes
-        capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-        layout = self._backend.mask_layout(self._placement, self.batch, nodes, vocab, capacity)
-        _check_layout(layout, rows, self._backend)
-        if not self._constrained and capacity is None and not layout.collective:
+        layout = plan(self._backend, self._placement, self.batch, nodes, vocab, row_capacity)
+        if not self._constrained and row_capacity is None and not layout.collective:
             return None
         return layout
 
@@ -779,38 +781,16 @@ class DraftSession:
         if layout is None:
             return None
         t0 = time.perf_counter()
-        backend = self._backend
-        built = sum(count for _, count, _ in layout.blocks)
-        buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
-        try:
-            if self._constrained:
-                fill(buffer.array[:built])
-                _arrange(buffer.array, layout.blocks)
-            else:
-                buffer.array.fill(ALL_ALLOWED)
-        except BaseException:
-            backend.release_host_mask(buffer)
-            raise
-        uploaded = backend.upload(buffer, layout.placement)
+        constrained = bool(self._constrained)
+
+        def build(out: np.ndarray) -> bool:
+            if constrained:
+                fill(out)
+            return constrained
+
+        uploaded, _ = deliver(self._backend, layout, words, build, always=True)
         self.timings["upload_s"] += time.perf_counter() - t0
         return uploaded
-
-
-def _resolve_target(device: Any, backend: str | Backend | None) -> tuple[Backend, Any]:
-    if backend is not None:
-        if isinstance(backend, Backend):
-            return backend, device
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
-        return get_backend(backend), device
-    if device is None:
-        return get_backend("numpy"), None
-    if isinstance(device, str):
-        raise TypeError(
-            f"device={device!r} is a string: pass backend= too (e.g. backend='torch'), or a "
-            "device object (torch.device, jax.Device, jax.sharding.Sharding)"
-        )
-    return backend_for(device), device
 
 
 def links_from_parents(parents: Any) -> tuple[np.ndarray, np.ndarray]:
