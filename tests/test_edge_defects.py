@@ -29,7 +29,7 @@ from _oracle import (
 )
 
 import portable_spec as ps
-import portable_spec.drafting as drafting_module
+import portable_spec.drafting.session as drafting_session
 from portable_spec.demo.grammars import compile_sample
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pending import check_not_pending
@@ -245,7 +245,7 @@ def test_unclosed_session_finalised_inside_the_store_lock(smollm2, monkeypatch):
     (any allocation inside it); its close() must not take that lock. A watchdog turns a
     deadlock into a failure instead of a hang (a correct build returns at once)."""
     pool = HostBufferPool(max_free=4)
-    monkeypatch.setattr(drafting_module, "_stores", pool)
+    monkeypatch.setattr(drafting_session, "_stores", pool)
     matcher = _request(smollm2).fresh()
     finished = threading.Event()
 
