@@ -31,6 +31,7 @@ from _oracle import (
 import portable_spec as ps
 import portable_spec.drafting.session as drafting_session
 from portable_spec.demo.grammars import compile_sample
+from portable_spec.drafting import forced_tokens
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pending import check_not_pending
 from portable_spec.registry import get_backend
@@ -144,7 +145,7 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
             with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
                 ps.DraftSession(grammars, smollm2.size)
             with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
-                ps.forced_tokens(grammars, smollm2.size)
+                forced_tokens(grammars, smollm2.size)
         for call in (
             lambda: early.extend([[0], [0]], [[QUOTE], [QUOTE]]),
             lambda: early.forced(),
