@@ -63,7 +63,8 @@ def resolve_target(
 
     Raises:
         TypeError: ``backend`` is neither a name nor a :class:`Backend`; a device object of
-            another framework than ``backend``; a device string with nothing to say which
+            another framework than ``backend`` (objects no framework claims, such as a device
+            index, are left to ``backend``); a device string with nothing to say which
             framework it belongs to. Raised before anything is built.
         ValueError: an unknown backend name.
     """
@@ -73,10 +74,13 @@ def resolve_target(
         elif not isinstance(backend, Backend):
             raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
         if device is not None and not isinstance(device, str) and not backend.owns(device):
-            raise TypeError(
-                f"device {device!r} does not belong to backend {backend.name!r}: pass a device "
-                f"of that framework, a device string, or leave out backend="
-            )
+            other = _claimed_by(device)
+            if other is not None:
+                raise TypeError(
+                    f"device {device!r} is a {other.name!r} device and does not belong to "
+                    f"backend {backend.name!r}: pass a device of that framework, a device "
+                    "string, or leave out backend="
+                )
         return backend, device
     if device is None:
         return default if default is not None else (get_backend("numpy"), None)
@@ -88,6 +92,15 @@ def resolve_target(
             )
         return default[0], device
     return backend_for(device), device
+
+
+def _claimed_by(device: Any) -> Backend | None:
+    """The registered backend whose framework ``device`` belongs to, or None when no
+    framework the caller imported claims it (a device index: the named backend's to read)."""
+    try:
+        return backend_for(device)
+    except TypeError:
+        return None
 
 
 def check_capacity(row_capacity: Any, rows: int) -> int:

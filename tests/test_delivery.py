@@ -55,8 +55,10 @@ def test_the_resolver_rules():
     device = _jax_cpu_device()
     backend, placement = resolve_target(device, default=tree_target)
     assert backend.name == "jax" and placement is device
-    with pytest.raises(TypeError, match="does not belong"):
+    with pytest.raises(TypeError, match="'jax' device and does not belong"):
         resolve_target(device, numpy)
+    # what no framework claims (a device index) is the named backend's to read
+    assert resolve_target(0, numpy) == (numpy, 0)
 
 
 @pytest.mark.parametrize("layout", ["dense", "compact"])
