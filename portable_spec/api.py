@@ -11,9 +11,17 @@ import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
 from portable_spec.builder import build_host_bitmask, check_layout, check_vocab_size
-from portable_spec.delivery import deliver, deliver_compact, plan, resolve_target
+from portable_spec.delivery import (
+    compact_rows,
+    deliver,
+    plan,
+    resolve_target,
+    settle_compact,
+    settle_dense,
+)
 from portable_spec.grammars import words_for
-from portable_spec.masks import CompactMask
+from portable_spec.hostbuffers import HostBuffer
+from portable_spec.masks import CompactMask, compact_views
 from portable_spec.pending import start_pending
 from portable_spec.pool import submit
 from portable_spec.registry import backend_for
@@ -166,7 +174,7 @@ def build_grammar_vocab_mask(
     return handle
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _MaskRequest:
     """One checked call of :func:`build_grammar_vocab_mask`: what to build and where it goes.
 
@@ -189,51 +197,60 @@ class _MaskRequest:
 def _build_and_upload(request: _MaskRequest) -> tuple[Any, float]:
     """Build into a pooled host buffer and start the upload; ``(result, upload seconds)``,
     the result being the mask, or ``(mask, valid)`` with ``return_valid``."""
-    valid: list[np.ndarray | None] = [None]
+    valid = None
+    tree = request.tree
+    mask_layout = request.mask_layout
     if request.layout == "compact":
+        entries = tree.rows if request.max_rows is None else request.max_rows
 
-        def build_compact(out: CompactMask) -> CompactMask | None:
+        def fill_compact(block: np.ndarray) -> CompactMask | None:
+            nonlocal valid
+            index, bits = compact_views(block, entries)
             host = build_host_bitmask(
                 request.grammars,
-                request.tree,
+                tree,
                 request.vocab_size,
-                out=out,
+                out=CompactMask(index, bits, tree.rows),
                 layout="compact",
                 max_rows=request.max_rows,
                 return_valid=request.return_valid,
             )
             if request.return_valid:
-                host, valid[0] = host
-            return host
+                host, valid = host
+            return settle_compact(
+                host,
+                index,
+                bits,
+                mask_layout,
+                max_rows=request.max_rows,
+                always=request.always,
+            )
 
-        mask, seconds = deliver_compact(
-            request.backend,
-            request.mask_layout,
-            request.words,
-            request.tree.batch * request.tree.nodes,
-            build_compact,
-            max_rows=request.max_rows,
-            always=request.always,
+        def send(buffer: HostBuffer, mask: CompactMask) -> Any:
+            return request.backend.upload_compact(buffer, mask, mask_layout.placement)
+
+        rows = compact_rows(entries, request.words)
+        mask, seconds = deliver(
+            request.backend, mask_layout, request.words, fill_compact, rows=rows, send=send
         )
     else:
 
-        def build_dense(out: np.ndarray) -> bool:
-            host = build_host_bitmask(
+        def fill_dense(host: np.ndarray) -> np.ndarray | None:
+            nonlocal valid
+            built = build_host_bitmask(
                 request.grammars,
-                request.tree,
+                tree,
                 request.vocab_size,
-                out=out,
+                out=host[: tree.rows],
                 reasoning=request.reasoning,
                 return_valid=request.return_valid,
             )
             if request.return_valid:
-                host, valid[0] = host
-            return host is not None
+                built, valid = built
+            return settle_dense(host, mask_layout, built is not None, request.always)
 
-        mask, seconds = deliver(
-            request.backend, request.mask_layout, request.words, build_dense, always=request.always
-        )
-    return ((mask, valid[0]) if request.return_valid else mask), seconds
+        mask, seconds = deliver(request.backend, mask_layout, request.words, fill_dense)
+    return ((mask, valid) if request.return_valid else mask), seconds
 
 
 def _check_compact(backend: Backend, mask_layout: MaskLayout) -> None:

@@ -7,9 +7,9 @@ rows (:func:`portable_spec.build_grammar_vocab_mask`, :class:`portable_spec.Draf
 
     resolve_target   device / backend arguments      -> (backend, placement)
     plan             placement + row capacity        -> MaskLayout (checked before any work)
-    deliver          acquire a pooled host buffer -> fill the built rows -> arrange them into
-                     the layout's blocks -> start the upload (the buffer goes back to its pool
-                     if anything before the upload raises)
+    deliver          acquire a pooled host buffer -> fill the built rows -> settle them
+                     (arrange into the layout's blocks) -> start the upload (the buffer goes
+                     back to its pool if anything before the upload raises)
 
 The arrangement moves the built rows (``b * nodes + j``, at the start of the host buffer) to
 where the backend's placement wants them and makes every other row all-allowed (-1).
@@ -26,18 +26,21 @@ import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
 from portable_spec.hostbuffers import HostBuffer
-from portable_spec.masks import ALL_ALLOWED, CompactMask, compact_views, index_words
+from portable_spec.masks import ALL_ALLOWED, CompactMask, index_words
 from portable_spec.registry import backend_for, get_backend
 
 __all__ = [
     "arrange",
+    "built_rows",
     "check_capacity",
     "check_mask_layout",
+    "compact_rows",
     "deliver",
-    "deliver_compact",
     "move_rows",
     "plan",
     "resolve_target",
+    "settle_compact",
+    "settle_dense",
 ]
 
 T = TypeVar("T")
@@ -193,18 +196,36 @@ def move_rows(index: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> No
 
 
 # -- the one delivery sequence ---------------------------------------------------------------------
-def _send(
+def deliver(
     backend: Backend,
-    placement: Any,
-    rows: int,
+    layout: MaskLayout,
     words: int,
     fill: Callable[[np.ndarray], T | None],
-    upload: Callable[[HostBuffer, T], Any],
+    *,
+    rows: int | None = None,
+    send: Callable[[HostBuffer, T], Any] | None = None,
 ) -> tuple[Any, float]:
-    """Acquire a pooled int32 ``[rows, words]`` host buffer, ``fill`` it, and start its
-    ``upload``; the buffer goes back to the pool if ``fill`` raises or returns ``None``
-    (nothing to send: ``(None, 0.0)``). Returns ``(uploaded, seconds the upload call took)``."""
-    buffer = backend.acquire_host_mask(rows, words, placement)
+    """Acquire a pooled host buffer, ``fill`` it, and start its upload: the one sequence every
+    returned mask goes through.
+
+    Args:
+        backend, layout: from :func:`resolve_target` and :func:`plan`.
+        words: int32 words per row.
+        fill: gets the int32 ``[rows, words]`` host array (contents undefined) and fills it:
+            the built rows at its start, then :func:`settle_dense` (or
+            :func:`settle_compact`); returns what to send, or ``None`` when there is nothing
+            to send (no request has a grammar and no mask is owed).
+        rows: rows of the host buffer (default: ``layout.host_rows``, a dense mask).
+        send: starts the upload of the filled buffer (default: ``backend.upload`` to the
+            layout's placement, a dense mask).
+
+    Returns:
+        ``(uploaded, seconds the upload call took)``; ``(None, 0.0)`` when ``fill`` returned
+        ``None``. The upload is started without blocking; the host buffer is the backend's
+        from then on, and goes back to its pool if ``fill`` raises or returns ``None``.
+    """
+    placement = layout.placement
+    buffer = backend.acquire_host_mask(layout.host_rows if rows is None else rows, words, placement)
     try:
         filled = fill(buffer.array)
     except BaseException:
@@ -214,96 +235,56 @@ def _send(
         backend.release_host_mask(buffer)
         return None, 0.0
     uploading = perf_counter()
-    uploaded = upload(buffer, filled)
+    uploaded = backend.upload(buffer, placement) if send is None else send(buffer, filled)
     return uploaded, perf_counter() - uploading
 
 
-def deliver(
-    backend: Backend,
+def built_rows(layout: MaskLayout) -> int:
+    """The built rows a (checked) layout places: its blocks cover them in order."""
+    blocks = layout.blocks
+    return blocks[-1][0] + blocks[-1][1] if blocks else 0
+
+
+def settle_dense(
+    host: np.ndarray, layout: MaskLayout, constrained: bool, always: bool
+) -> np.ndarray | None:
+    """After the built rows were written at the start of ``host`` (int32
+    ``[host_rows, words]``): arranged into the layout's blocks when ``constrained``; else
+    all-allowed when a mask is owed anyway (``always``: a fixed row capacity, or a placement
+    spanning processes), else ``None`` (nothing to send). Returns ``host`` otherwise."""
+    if constrained:
+        arrange(host, layout.blocks)
+    elif always:
+        host.fill(ALL_ALLOWED)
+    else:
+        return None
+    return host
+
+
+def compact_rows(entries: int, words: int) -> int:
+    """Rows of the host block of a compact mask of ``entries`` entries: the bits, then the
+    int32 row index packed into whole rows."""
+    return entries + index_words(entries, words)
+
+
+def settle_compact(
+    host: CompactMask | None,
+    index: np.ndarray,
+    bits: np.ndarray,
     layout: MaskLayout,
-    words: int,
-    build: Callable[[np.ndarray], bool],
-    *,
-    always: bool,
-) -> tuple[Any, float]:
-    """Build a dense mask into a pooled host buffer and start its upload.
-
-    Args:
-        backend, layout: from :func:`resolve_target` and :func:`plan`.
-        words: int32 words per row.
-        build: writes the built rows into the int32 ``[batch * nodes, words]`` array it gets
-            (the start of the host buffer); returns False when no row is constrained (no
-            request has a grammar: what it wrote is ignored).
-        always: upload an all-allowed mask when ``build`` returns False (a fixed row
-            capacity, or a placement spanning processes); else nothing is uploaded.
-
-    Returns:
-        ``(mask, upload seconds)``: the backend's int32 ``[host_rows, words]`` array, or
-        ``None`` (nothing constrained and not ``always``). The upload is started without
-        blocking; the host buffer is the backend's from then on.
-    """
-    built = sum(count for _src, count, _dst in layout.blocks)
-
-    def fill(host: np.ndarray) -> np.ndarray | None:
-        if build(host[:built]):
-            arrange(host, layout.blocks)
-        elif always:
-            host.fill(ALL_ALLOWED)
-        else:
-            return None
-        return host
-
-    def upload(buffer: HostBuffer, _host: np.ndarray) -> Any:
-        return backend.upload(buffer, layout.placement)
-
-    return _send(backend, layout.placement, layout.host_rows, words, fill, upload)
-
-
-def deliver_compact(
-    backend: Backend,
-    layout: MaskLayout,
-    words: int,
-    rows: int,
-    build: Callable[[CompactMask], CompactMask | None],
     *,
     max_rows: int | None,
     always: bool,
-) -> tuple[Any, float]:
-    """Build a compact mask into one pooled host block (its bits, then its row index) and
-    start its upload.
-
-    Args:
-        backend, layout, words: as for :func:`deliver`; ``layout.host_rows`` is the number
-            of logits rows the mask applies to.
-        rows: the built rows (``batch * nodes``).
-        build: fills the :class:`CompactMask` it gets (entries for ``max_rows`` rows, else
-            ``rows``; row numbers of the built rows) and returns the filled one, or ``None``
-            when no request has a grammar.
-        max_rows: the fixed number of entries of the returned mask, or ``None`` (exactly the
-            rows listed).
-        always: send an empty (or ``max_rows`` padding) mask rather than ``None`` when
-            nothing is constrained; ``max_rows`` implies it.
-
-    Returns:
-        ``(compact mask of the backend's arrays or None, upload seconds)``; row indices are
-        those of the dense mask of ``layout``, padding entries point past the logits.
-    """
+) -> CompactMask | None:
+    """The compact mask to send once the build filled ``host`` (over ``index``/``bits``, the
+    views of the block; ``None``: no request has a grammar): row numbers moved to the
+    layout's rows, padding entries pointed past the logits (``layout.host_rows``). ``None``
+    when nothing is owed (no grammar, not ``always``, no ``max_rows``)."""
+    if host is None and not always and max_rows is None:
+        return None
     num_rows = layout.host_rows
-    entries = rows if max_rows is None else max_rows
-    block_rows = entries + index_words(entries, words)
-
-    def fill(block: np.ndarray) -> CompactMask | None:
-        index, bits = compact_views(block, entries)
-        host = build(CompactMask(index, bits, rows))
-        if host is None and not always and max_rows is None:
-            return None
-        count = 0 if host is None else host.count
-        size = (0 if max_rows is None else max_rows) if host is None else host.capacity
-        move_rows(index[:count], layout.blocks)  # type: ignore[misc]
-        index[count:size] = num_rows  # padding: a row past the logits
-        return CompactMask(index[:size], bits[:size], num_rows, count)
-
-    def upload(buffer: HostBuffer, mask: CompactMask) -> Any:
-        return backend.upload_compact(buffer, mask, layout.placement)
-
-    return _send(backend, layout.placement, block_rows, words, fill, upload)
+    count = 0 if host is None else host.count
+    size = (0 if max_rows is None else max_rows) if host is None else host.capacity
+    move_rows(index[:count], layout.blocks)
+    index[count:size] = num_rows  # padding: a row past the logits
+    return CompactMask(index[:size], bits[:size], num_rows, count)

@@ -12,7 +12,7 @@ import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
 from portable_spec.builder import check_vocab_size
-from portable_spec.delivery import deliver, plan, resolve_target
+from portable_spec.delivery import built_rows, deliver, plan, resolve_target, settle_dense
 from portable_spec.drafting.levels import check_depths, check_parents, node_states, run_states
 from portable_spec.drafting.trees import StagedColumns, check_selection, selection_tree
 from portable_spec.drafting.vocab import DraftVocab
@@ -519,13 +519,14 @@ class DraftSession:
             return None
         t0 = time.perf_counter()
         constrained = bool(self._constrained)
+        built = built_rows(layout)
 
-        def build(out: np.ndarray) -> bool:
+        def build(host: np.ndarray) -> np.ndarray | None:
             if constrained:
-                fill(out)
-            return constrained
+                fill(host[:built])
+            return settle_dense(host, layout, constrained, True)
 
-        uploaded, _ = deliver(self._backend, layout, words, build, always=True)
+        uploaded, _ = deliver(self._backend, layout, words, build)
         self.timings["upload_s"] += time.perf_counter() - t0
         return uploaded
 
