@@ -105,6 +105,18 @@ def _tail_word(info: MatcherInfo) -> np.int32 | None:
     return None
 
 
+def _fill_row(
+    states: NodeStates, matcher: Any, rows: np.ndarray, node: int, tail: np.int32 | None
+) -> None:
+    """Fill ``rows[node]`` from ``matcher`` (a scratch row for a narrower matcher), its last
+    word cut to the matcher's vocabulary when ``tail`` says so."""
+    target, index = states._row_target(rows, node)
+    matcher.fill_next_token_bitmask(target, index)
+    states._finish_row(rows, node, target)
+    if tail is not None:
+        rows[node, states.info.words - 1] &= tail
+
+
 class ForkStates(NodeStates):
     """xgrammar matchers, and protocol matchers whose ``fork()`` gives an independent matcher
     of the same type: one accepted fork per live node (a level costs fork + accept + fill per
@@ -116,11 +128,7 @@ class ForkStates(NodeStates):
         self._tail = _tail_word(info) if protocol else None
 
     def _fill(self, state: Any, rows: np.ndarray, node: int) -> None:
-        target, index = self._row_target(rows, node)
-        state.fill_next_token_bitmask(target, index)
-        self._finish_row(rows, node, target)
-        if self._tail is not None:
-            rows[node, self.info.words - 1] &= self._tail
+        _fill_row(self, state, rows, node, self._tail)
 
     def start(self, rows: np.ndarray) -> bool:
         if self.matcher.is_terminated():
@@ -170,11 +178,7 @@ class ProtocolReplayStates(ReplayStates):
         self._tail = _tail_word(info)
 
     def _fill(self, rows: np.ndarray, node: int) -> None:
-        target, index = self._row_target(rows, node)
-        self.matcher.fill_next_token_bitmask(target, index)
-        self._finish_row(rows, node, target)
-        if self._tail is not None:
-            rows[node, self.info.words - 1] &= self._tail
+        _fill_row(self, self.matcher, rows, node, self._tail)
 
     def start(self, rows: np.ndarray) -> bool:
         if self.matcher.is_terminated():
