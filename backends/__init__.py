@@ -4,6 +4,6 @@
 ``cuda``   torch tensors: CUDA (events + pinned memory), other torch accelerators, and CPU.
 ``jax``    ``jax.Array`` on CPU, GPU or TPU, sharded or not.
 
-Each backend package exposes one :class:`portable_spec.Backend` subclass; the registry
+Each backend package exposes one :class:`portable_spec.backend.Backend` subclass; the registry
 (:mod:`portable_spec.registry`) imports a backend package only when its framework is in use.
 """

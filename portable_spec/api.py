@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from time import perf_counter
 from typing import Any
 
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, build_host_bitmask, check_layout, check_vocab_size
+from portable_spec.builder import build_host_bitmask, check_layout, check_vocab_size
+from portable_spec.delivery import (
+    compact_rows,
+    deliver,
+    plan,
+    resolve_target,
+    settle_compact,
+    settle_dense,
+)
 from portable_spec.grammars import words_for
-from portable_spec.masks import CompactMask, compact_views, index_words
+from portable_spec.hostbuffers import HostBuffer
+from portable_spec.masks import CompactMask, compact_views
 from portable_spec.pending import start_pending
 from portable_spec.pool import submit
 from portable_spec.registry import backend_for
@@ -21,14 +29,6 @@ from portable_spec.stats import record_upload
 from portable_spec.tree import GrammarTree
 
 __all__ = ["apply_vocab_mask", "build_grammar_vocab_mask"]
-
-
-def _target(tree: GrammarTree, device: Any) -> tuple[Backend, Any]:
-    if device is None:
-        return tree.backend, tree.device
-    if isinstance(device, str):
-        return tree.backend, device
-    return backend_for(device), device
 
 
 def build_grammar_vocab_mask(
@@ -119,16 +119,19 @@ def build_grammar_vocab_mask(
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     if not isinstance(wait, bool):
         raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
-    backend, placement = _target(tree, device)
+    backend, placement = resolve_target(device, default=(tree.backend, tree.device))
     words = words_for(check_vocab_size(vocab_size))
     max_rows = check_layout(layout, max_rows)
-    rows = tree.rows
-    capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-    if not tree.is_packed:
-        mask_layout = backend.mask_layout(placement, tree.batch, tree.nodes, vocab_size, capacity)
-    else:
-        mask_layout = _packed_layout(backend, placement, rows, vocab_size, capacity)
-    _check_layout(mask_layout, rows, backend)
+    packed_rows = tree.rows if tree.is_packed else None
+    mask_layout = plan(
+        backend,
+        placement,
+        tree.batch,
+        tree.nodes,
+        vocab_size,
+        row_capacity,
+        packed_rows=packed_rows,
+    )
     if layout == "compact" and tree.is_packed:
         raise ValueError(
             "packed chains (GrammarTree.from_packed_chains) build dense masks only; "
@@ -138,10 +141,21 @@ def build_grammar_vocab_mask(
         _check_compact(backend, mask_layout)
         if reasoning is not None:
             raise ValueError("reasoning= builds dense masks only; use layout='dense'")
-    options = _Options(layout, max_rows, reasoning, return_valid)
-    args = (grammars, tree, vocab_size, backend, mask_layout, words, capacity, options)
+    request = _MaskRequest(
+        grammars=grammars,
+        tree=tree,
+        vocab_size=vocab_size,
+        backend=backend,
+        mask_layout=mask_layout,
+        words=words,
+        always=row_capacity is not None or mask_layout.collective,
+        layout=layout,
+        max_rows=max_rows,
+        reasoning=reasoning,
+        return_valid=return_valid,
+    )
     if wait:
-        mask, upload_seconds = _build_and_upload(*args)
+        mask, upload_seconds = _build_and_upload(request)
         record_upload(upload_seconds, perf_counter() - started)
         return mask
     if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
@@ -150,7 +164,7 @@ def build_grammar_vocab_mask(
         )
 
     def build() -> Any:
-        mask, upload_seconds = _build_and_upload(*args)
+        mask, upload_seconds = _build_and_upload(request)
         record_upload(upload_seconds, 0.0)
         return mask
 
@@ -160,110 +174,83 @@ def build_grammar_vocab_mask(
     return handle
 
 
-@dataclass(frozen=True)
-class _Options:
+@dataclass(slots=True)
+class _MaskRequest:
+    """One checked call of :func:`build_grammar_vocab_mask`: what to build and where it goes.
+
+    ``always``: a mask comes back even when no request has a grammar (a fixed row capacity,
+    or a placement spanning processes)."""
+
+    grammars: Sequence[Any]
+    tree: GrammarTree
+    vocab_size: int
+    backend: Backend
+    mask_layout: MaskLayout
+    words: int
+    always: bool
     layout: str
     max_rows: int | None
     reasoning: Any
     return_valid: bool
 
 
-def _build_and_upload(
-    grammars: Sequence[Any],
-    tree: GrammarTree,
-    vocab_size: int,
-    backend: Backend,
-    mask_layout: MaskLayout,
-    words: int,
-    capacity: int | None,
-    options: _Options,
-) -> tuple[Any, float]:
+def _build_and_upload(request: _MaskRequest) -> tuple[Any, float]:
     """Build into a pooled host buffer and start the upload; ``(result, upload seconds)``,
     the result being the mask, or ``(mask, valid)`` with ``return_valid``."""
-    rows = tree.rows
-    always = capacity is not None or mask_layout.collective
-    if options.layout == "compact":
-        return _build_compact(
-            grammars, tree, vocab_size, backend, mask_layout, words, always, options
-        )
-    buffer = backend.acquire_host_mask(mask_layout.host_rows, words, mask_layout.placement)
     valid = None
-    try:
-        mask = build_host_bitmask(
-            grammars,
-            tree,
-            vocab_size,
-            out=buffer.array[:rows],
-            reasoning=options.reasoning,
-            return_valid=options.return_valid,
+    tree = request.tree
+    mask_layout = request.mask_layout
+    if request.layout == "compact":
+        entries = tree.rows if request.max_rows is None else request.max_rows
+
+        def fill_compact(block: np.ndarray) -> CompactMask | None:
+            nonlocal valid
+            index, bits = compact_views(block, entries)
+            host = build_host_bitmask(
+                request.grammars,
+                tree,
+                request.vocab_size,
+                out=CompactMask(index, bits, tree.rows),
+                layout="compact",
+                max_rows=request.max_rows,
+                return_valid=request.return_valid,
+            )
+            if request.return_valid:
+                host, valid = host
+            return settle_compact(
+                host,
+                index,
+                bits,
+                mask_layout,
+                max_rows=request.max_rows,
+                always=request.always,
+            )
+
+        def send(buffer: HostBuffer, mask: CompactMask) -> Any:
+            return request.backend.upload_compact(buffer, mask, mask_layout.placement)
+
+        rows = compact_rows(entries, request.words)
+        mask, seconds = deliver(
+            request.backend, mask_layout, request.words, fill_compact, rows=rows, send=send
         )
-        if options.return_valid:
-            mask, valid = mask
-        if mask is None and not always:
-            backend.release_host_mask(buffer)
-            return _with(None, valid, options), 0.0
-        if mask is None:
-            buffer.array.fill(ALL_ALLOWED)
-        else:
-            _arrange(buffer.array, mask_layout.blocks)
-    except BaseException:
-        backend.release_host_mask(buffer)
-        raise
-    uploading = perf_counter()
-    uploaded = backend.upload(buffer, mask_layout.placement)
-    return _with(uploaded, valid, options), perf_counter() - uploading
+    else:
 
+        def fill_dense(host: np.ndarray) -> np.ndarray | None:
+            nonlocal valid
+            built = build_host_bitmask(
+                request.grammars,
+                tree,
+                request.vocab_size,
+                out=host[: tree.rows],
+                reasoning=request.reasoning,
+                return_valid=request.return_valid,
+            )
+            if request.return_valid:
+                built, valid = built
+            return settle_dense(host, mask_layout, built is not None, request.always)
 
-def _with(mask: Any, valid: np.ndarray | None, options: _Options) -> Any:
-    return (mask, valid) if options.return_valid else mask
-
-
-def _build_compact(
-    grammars: Sequence[Any],
-    tree: GrammarTree,
-    vocab_size: int,
-    backend: Backend,
-    mask_layout: MaskLayout,
-    words: int,
-    always: bool,
-    options: _Options,
-) -> tuple[Any, float]:
-    """The compact layout of :func:`_build_and_upload`: one pooled block holds the bits and
-    the row index; only the listed rows are written."""
-    max_rows = options.max_rows
-    rows = tree.batch * tree.nodes
-    num_rows = mask_layout.host_rows
-    entries = rows if max_rows is None else max_rows
-    block_rows = entries + index_words(entries, words)
-    buffer = backend.acquire_host_mask(block_rows, words, mask_layout.placement)
-    try:
-        index, bits = compact_views(buffer.array, entries)
-        host = build_host_bitmask(
-            grammars,
-            tree,
-            vocab_size,
-            out=CompactMask(index, bits, rows),
-            layout="compact",
-            max_rows=max_rows,
-            return_valid=options.return_valid,
-        )
-        valid = None
-        if options.return_valid:
-            host, valid = host
-        if host is None and not always and max_rows is None:
-            backend.release_host_mask(buffer)
-            return _with(None, valid, options), 0.0
-        count = 0 if host is None else host.count
-        size = (0 if max_rows is None else max_rows) if host is None else host.capacity
-        _move_rows(index[:count], mask_layout.blocks)  # type: ignore[misc]
-        index[count:size] = num_rows  # padding: a row past the logits
-        mask = CompactMask(index[:size], bits[:size], num_rows, count)
-    except BaseException:
-        backend.release_host_mask(buffer)
-        raise
-    uploading = perf_counter()
-    uploaded = backend.upload_compact(buffer, mask, mask_layout.placement)
-    return _with(uploaded, valid, options), perf_counter() - uploading
+        mask, seconds = deliver(request.backend, mask_layout, request.words, fill_dense)
+    return ((mask, valid) if request.return_valid else mask), seconds
 
 
 def _check_compact(backend: Backend, mask_layout: MaskLayout) -> None:
@@ -274,70 +261,6 @@ def _check_compact(backend: Backend, mask_layout: MaskLayout) -> None:
             "layout='compact' needs a placement within this process; a mask spanning several "
             "processes is dense (use layout='dense')"
         )
-
-
-def _move_rows(index: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> None:
-    """Built row numbers -> rows of the host mask, block by block (see :class:`MaskLayout`)."""
-    if all(src == dst for src, _count, dst in blocks) or not index.size:
-        return
-    starts = np.array([src for src, _count, _dst in blocks], dtype=np.int64)
-    shift = np.array([dst - src for src, _count, dst in blocks], dtype=np.int64)
-    block = np.searchsorted(starts, index, side="right") - 1
-    index += shift[block].astype(np.int32)
-
-
-def _packed_layout(
-    backend: Backend, placement: Any, rows: int, vocab_size: int, capacity: int | None
-) -> MaskLayout:
-    """The layout of packed chains' rows: they are not split by request, so the placement
-    must keep the mask whole (one device, or replicated)."""
-    mask_layout = backend.mask_layout(placement, 1, rows, vocab_size, capacity)
-    if mask_layout.collective or mask_layout.blocks != ((0, rows, 0),):
-        raise ValueError(
-            "packed chains (GrammarTree.from_packed_chains) need a placement that keeps the "
-            "mask's rows together on this process (one device); shard by requests with a "
-            "[batch, nodes] tree instead"
-        )
-    return mask_layout
-
-
-def _check_capacity(row_capacity: Any, rows: int) -> int:
-    if isinstance(row_capacity, bool) or not isinstance(row_capacity, Integral):
-        raise TypeError(f"row_capacity must be an int, got {type(row_capacity).__name__}")
-    if row_capacity < rows:
-        raise ValueError(
-            f"row_capacity = {row_capacity} is smaller than the mask's {rows} rows (batch * nodes)"
-        )
-    return int(row_capacity)
-
-
-def _check_layout(layout: MaskLayout, rows: int, backend: Backend) -> None:
-    """A backend's layout must cover the built rows once, in order, moving rows only forward
-    (so that :func:`_arrange` can move them in place) and within the host buffer."""
-    built = host = 0
-    for src, count, dst in layout.blocks:
-        if src != built or count < 0 or dst < src or dst < host:
-            break
-        built, host = src + count, dst + count
-    else:
-        if built == rows and host <= layout.host_rows:
-            return
-    raise ValueError(f"backend {backend.name!r} returned an invalid mask layout {layout}")
-
-
-def _arrange(host: np.ndarray, blocks: tuple[tuple[int, int, int], ...]) -> None:
-    """Move the built rows (at the start of ``host``) to their blocks, last block first (each
-    moves forward, so no block overwrites rows not yet moved), and set the rest to -1."""
-    for src, count, dst in reversed(blocks):
-        if dst != src and count:
-            host[dst : dst + count] = host[src : src + count]
-    end = 0
-    for _src, count, dst in blocks:
-        if dst > end:
-            host[end:dst] = ALL_ALLOWED
-        end = dst + count
-    if end < host.shape[0]:
-        host[end:] = ALL_ALLOWED
 
 
 def apply_vocab_mask(logits: Any, mask: Any, *, vocab_size: int | None = None) -> Any:

@@ -92,7 +92,7 @@ class Backend(ABC):
 
     Subclasses set :attr:`name` (what :func:`portable_spec.get_backend` takes) and
     :attr:`framework` (the top-level module whose presence in ``sys.modules`` lets
-    :func:`portable_spec.backend_for` consider this backend without importing anything).
+    :func:`portable_spec.registry.backend_for` consider this backend without importing anything).
     """
 
     name: str = ""

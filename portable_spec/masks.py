@@ -28,8 +28,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CompactMask", "apply_columns", "compact_views", "index_words", "rebase_compact"]
+__all__ = [
+    "ALL_ALLOWED",
+    "CompactMask",
+    "apply_columns",
+    "compact_views",
+    "index_words",
+    "rebase_compact",
+]
 
+#: the value of an all-allowed int32 mask word (every bit set)
+ALL_ALLOWED = -1
 
 _INT32 = np.dtype(np.int32)
 

@@ -9,10 +9,10 @@ A third-party package adds a backend by declaring, in its own ``pyproject.toml``
     [project.entry-points."portable_spec.backends"]
     mynpu = "my_package.portable_spec_backend:MyNpuBackend"
 
-where ``MyNpuBackend`` subclasses :class:`portable_spec.Backend`, sets ``name = "mynpu"`` and
-``framework = "my_framework"``, and does not import ``my_framework`` at module import time
-(the class is loaded to read ``framework``; it is only instantiated once the framework is
-imported or the backend is asked for by name).
+where ``MyNpuBackend`` subclasses :class:`portable_spec.backend.Backend`, sets
+``name = "mynpu"`` and ``framework = "my_framework"``, and does not import ``my_framework`` at
+module import time (the class is loaded to read ``framework``; it is only instantiated once
+the framework is imported or the backend is asked for by name).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from portable_spec.backend import ArrayInfo, Backend, StagedArrays
 from portable_spec.registry import backend_for, get_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
 
-__all__ = ["GrammarTree"]
+__all__ = ["GrammarTree", "as_int64", "host_array", "integer_info"]
 
 _NAMES = ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens")
 
@@ -36,7 +36,9 @@ class _Ready:
         return self._arrays
 
 
-def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
+def integer_info(name: str, array: Any, backend: Backend) -> ArrayInfo:
+    """Shape and dtype of an integer array of ``backend``, without reading its data; errors
+    name ``name`` (a deleted JAX array, a torch meta tensor, a float dtype, ...)."""
     try:
         info = backend.array_info(array)
     except ValueError as exc:  # e.g. a JAX array deleted (donated) before staging
@@ -45,6 +47,11 @@ def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
         raise TypeError(f"{name}: {exc}") from exc
     if not info.is_integer:
         raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
+    return info
+
+
+def _info(name: str, array: Any, backend: Backend) -> ArrayInfo:
+    info = integer_info(name, array, backend)
     if len(info.shape) not in (1, 2):
         raise ValueError(
             f"{name} must be [batch, nodes] or [nodes], got {len(info.shape)} dimensions "
@@ -67,9 +74,10 @@ def _check_shapes(infos: Sequence[ArrayInfo], names: Sequence[str]) -> tuple[int
     return batch, nodes
 
 
-def _host_array(array: Any) -> np.ndarray:
+def host_array(name: str, array: Any) -> np.ndarray:
     """A host view of ``array`` (numpy, a list, or a framework's host array), no copy if
-    possible. Device arrays are refused: ``from_host`` must never hide a synchronization."""
+    possible; an empty list is int64. Device arrays are refused with a ``TypeError`` naming
+    ``name``: host data must never hide a synchronization."""
     if isinstance(array, np.ndarray):
         return array
     if isinstance(array, np.generic):
@@ -79,7 +87,10 @@ def _host_array(array: Any) -> np.ndarray:
         if host.size == 0 and host.dtype.kind == "f":
             host = host.astype(np.int64)
         return host
-    return backend_for(array).to_host(array)
+    try:
+        return backend_for(array).to_host(array)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from exc
 
 
 class GrammarTree:
@@ -160,8 +171,10 @@ class GrammarTree:
             A tree whose :meth:`resolve` waits only for these copies.
         """
         arrays = tuple(
-            _host_array(a) if isinstance(a, (list, tuple)) else a
-            for a in (retrieve_next_token, retrieve_next_sibling, draft_tokens)
+            host_array(n, a) if isinstance(a, (list, tuple)) else a
+            for n, a in zip(
+                _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
+            )
         )
         backends = [backend_for(a) for a in arrays]
         infos = [_info(n, a, b) for n, a, b in zip(_NAMES, arrays, backends, strict=True)]
@@ -188,10 +201,7 @@ class GrammarTree:
         for name, array in zip(
             _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
         ):
-            try:
-                hosts.append(_host_array(array))
-            except TypeError as exc:
-                raise TypeError(f"{name}: {exc}") from exc
+            hosts.append(host_array(name, array))
         numpy_backend = get_backend("numpy")
         shape = hosts[0].shape
         if not (
@@ -466,7 +476,7 @@ def _chain_links(batch: int, nodes: int) -> tuple[np.ndarray, np.ndarray]:
 def _host_offsets(offsets: Any) -> np.ndarray | None:
     """Packed-chain offsets readable on the host without waiting, or None (a device array)."""
     if isinstance(offsets, (list, tuple, np.ndarray, np.generic)):
-        return _host_array(offsets)
+        return host_array("offsets", offsets)
     backend = backend_for(offsets)
     try:
         return backend.to_host(offsets)

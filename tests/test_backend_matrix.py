@@ -16,6 +16,7 @@ from _cases import matrix_case
 from _oracle import Request, expected_mask
 
 import portable_spec as ps
+from portable_spec.registry import backend_for
 
 BATCH, NODES = 8, 6  # batch divisible by the 8 CPU devices of the sharded targets
 
@@ -49,7 +50,7 @@ def test_mask_bits(target, batch_case, smollm2):
     mask = ps.build_grammar_vocab_mask(
         _matchers(requests), tree, smollm2.size, device=target.device()
     )
-    assert ps.backend_for(mask).name == target.backend
+    assert backend_for(mask).name == target.backend
     target.check_placement(mask)
     host = target.get(mask)
     assert host.dtype == np.int32

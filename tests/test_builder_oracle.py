@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import portable_spec as ps
 import portable_spec.builder as builder_module
 import portable_spec.topology as topology_module
+from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
     max_examples=40,
@@ -61,7 +62,7 @@ def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
         out = np.random.default_rng(0).integers(
             -(2**31), 2**31, size=(case.next_token.size, words), dtype=np.int32
         )
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     return_valid = data.draw(st.booleans(), label="return_valid")
     result = ps.build_host_bitmask(
         case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid
@@ -145,7 +146,7 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
         -(2**31), 2**31, size=(batch * nodes, words), dtype=np.int32
     )
     return_valid = data.draw(st.booleans(), label="return_valid")
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     tree = ps.GrammarTree.from_linear_chain(case.draft)
     result = ps.build_host_bitmask(
         case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid

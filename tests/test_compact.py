@@ -25,6 +25,7 @@ import portable_spec.builder as builder_module
 import portable_spec.compact as compact_module
 import portable_spec.topology as topology_module
 from portable_spec.masks import compact_views, index_words
+from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
     max_examples=40,
@@ -57,7 +58,7 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
     max_rows = data.draw(st.sampled_from([None, case.next_token.size]), label="max_rows")
     return_valid = data.draw(st.booleans(), label="return_valid")
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     mask = ps.build_host_bitmask(
         case.matchers,
         tree,

@@ -18,6 +18,7 @@ from _engines import engine_factory, matcher_prints  # noqa: E402
 import portable_spec as ps  # noqa: E402
 import portable_spec.builder as builder_module  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
+from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
 SETTINGS = settings(
     max_examples=25,
@@ -38,7 +39,7 @@ def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatc
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     mask = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, layout="compact")
     assert_compact_matches(case, smollm2.words, mask)
     if mask is not None:

@@ -11,6 +11,7 @@ from _oracle import expected_compact, expected_mask
 from test_backend_matrix import BATCH, NODES, _matchers, _reference_masked
 
 import portable_spec as ps
+from portable_spec.registry import backend_for
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def test_compact_entries(target, batch_case, smollm2):
         _matchers(requests), tree, smollm2.size, device=target.device(), layout="compact"
     )
     assert isinstance(mask, ps.CompactMask)
-    assert ps.backend_for(mask.bits).name == target.backend
+    assert backend_for(mask.bits).name == target.backend
     rows, bits = _host(target, mask)
     listed, expected_bits = expected_compact(requests, nt, ns, dt, smollm2.size, smollm2.words)
     assert mask.count == len(listed) and mask.num_rows == BATCH * NODES

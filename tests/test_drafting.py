@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.drafting as drafting_module
+import portable_spec.drafting.levels as drafting_levels
+from portable_spec.drafting import forced_tokens, graft_chain, links_from_parents
+from portable_spec.registry import backend_for
 
 SETTINGS = settings(
     max_examples=40,
@@ -169,7 +171,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
     level's rows are the oracle's rows of its nodes, the verify mask of the whole tree and of
     a random ancestor-closed subtree equals the oracle's and build_grammar_vocab_mask's bit for
     bit, validity matches, and every matcher is untouched."""
-    monkeypatch.setattr(drafting_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(drafting_levels, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case = draw_case(data, smollm2, protocol=protocol, max_nodes=16)
     words = smollm2.words
     before = matcher_prints(case.matchers, words, PROBE)
@@ -327,7 +329,7 @@ def test_forks_make_a_level_cost_its_new_nodes(smollm2):
 
 def _tree(parents_tokens):
     parents, tokens = parents_tokens
-    nt, ns = ps.links_from_parents(parents)
+    nt, ns = links_from_parents(parents)
     return ps.GrammarTree.from_host(nt, ns, tokens)
 
 
@@ -475,7 +477,7 @@ def test_forced_chains_are_the_grammars(smollm2, tok):
     m = xgr.GrammarMatcher(compact)
     root = m.find_jump_forward_tokens()
     assert root  # the schema forces '{"name": ...'
-    assert ps.forced_tokens([m, None], smollm2.size) == [root, []]
+    assert forced_tokens([m, None], smollm2.size) == [root, []]
     with ps.DraftSession([m], smollm2.size) as s:
         assert s.forced(max_tokens=2) == [root[:2]]
         s.extend([[0]], [[root[0]]])
@@ -489,7 +491,7 @@ def test_forced_chains_are_the_grammars(smollm2, tok):
             assert r.forced([1]) == s.forced([1]) and replayed.depth == 0
         # grafted onto a host tree: shared where the tree already has it
         parents, tokens = s.tree()
-        p, t, chain = ps.graft_chain(parents[0], tokens[0], root, at=0)
+        p, t, chain = graft_chain(parents[0], tokens[0], root, at=0)
         assert chain[0] == 1 and p[chain[1]] == 1 and t[chain[-1]] == root[-1]
         assert len(p) == 2 + len(root) - 1
 
@@ -527,7 +529,7 @@ def test_links_from_parents_match_a_plain_loop(data):
     for b in range(batch):
         for v in range(1, nodes):
             parents[b, v] = data.draw(st.integers(-1, v - 1))
-    nt, ns = ps.links_from_parents(parents)
+    nt, ns = links_from_parents(parents)
     for b in range(batch):
         want_nt, want_ns, last = [-1] * nodes, [-1] * nodes, {}
         for v in range(1, nodes):
@@ -626,7 +628,7 @@ def test_every_backend(target, smollm2):
         ]
         verify = s.verify_mask(target.put(np.tile(np.arange(5), (8, 1))))
     for mask, want in zip([*got, verify], [*host[0], host[1]], strict=True):
-        assert ps.backend_for(mask).name == target.backend
+        assert backend_for(mask).name == target.backend
         target.check_placement(mask)
         np.testing.assert_array_equal(target.get(mask), want)
 

@@ -29,7 +29,8 @@ from _oracle import (
 )
 
 import portable_spec as ps
-import portable_spec.drafting as drafting_module
+import portable_spec.drafting.session as drafting_session
+from portable_spec.drafting import forced_tokens
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pending import check_not_pending
 from portable_spec.registry import get_backend
@@ -144,7 +145,7 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
             with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
                 ps.DraftSession(grammars, smollm2.size)
             with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
-                ps.forced_tokens(grammars, smollm2.size)
+                forced_tokens(grammars, smollm2.size)
         for call in (
             lambda: early.extend([[0], [0]], [[QUOTE], [QUOTE]]),
             lambda: early.forced(),
@@ -245,7 +246,7 @@ def test_unclosed_session_finalised_inside_the_store_lock(smollm2, monkeypatch):
     (any allocation inside it); its close() must not take that lock. A watchdog turns a
     deadlock into a failure instead of a hang (a correct build returns at once)."""
     pool = HostBufferPool(max_free=4)
-    monkeypatch.setattr(drafting_module, "_stores", pool)
+    monkeypatch.setattr(drafting_session, "_stores", pool)
     matcher = _request(smollm2).fresh()
     finished = threading.Event()
 

@@ -25,6 +25,7 @@ import portable_spec as ps  # noqa: E402
 import portable_spec.builder as builder_module  # noqa: E402
 import portable_spec.topology as topology_module  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
+from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
 SETTINGS = settings(
     max_examples=30,
@@ -51,7 +52,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     mask, valid = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, return_valid=True)
     assert_mask_matches(case, smollm2.words, mask)
     arrays = (case.next_token, case.next_sibling, case.draft)
@@ -103,7 +104,7 @@ def test_llguidance_complete_grammar_waits_for_the_end_token(smollm2, tok):
     assert matcher.try_consume_tokens(text[:-1]) == len(text) - 1
     dt = np.array([[0, text[-1], smollm2.eos, smollm2.eos]])
     tree = ps.GrammarTree.from_linear_chain(dt)
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     mask = ps.build_host_bitmask([matcher], tree, smollm2.size)
     assert _allowed(mask[1]) == {smollm2.eos}  # complete: the end token only
     assert _live(mask, 4).tolist() == [[True, True, False, False]]
@@ -145,7 +146,7 @@ def test_outlines_final_state_allows_the_end_token(smollm2, tok):
     ns = np.array([[-1, 2, -1]])
     dt = np.array([[0, smollm2.eos, m_token]])
     state = guide.get_state()
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     mask = ps.build_host_bitmask([guide], ps.GrammarTree.from_host(nt, ns, dt), smollm2.size)
     assert {smollm2.eos, m_token} <= _allowed(mask[0])
     assert _live(mask, 3).tolist() == [[True, False, True]]

@@ -9,6 +9,7 @@ import pytest
 from _oracle import ProtocolMatcher, Request, expected_mask
 
 import portable_spec as ps
+from portable_spec.backend import MaskLayout
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_default_layout_pads_at_the_end(case, smollm2):
     np.testing.assert_array_equal(mask[:6], want)
     assert (mask[6:] == -1).all()
     layout = ps.get_backend("numpy").mask_layout(None, 2, 3, smollm2.size, 10)
-    assert layout == ps.MaskLayout(10, ((0, 6, 0),), None)
+    assert layout == MaskLayout(10, ((0, 6, 0),), None)
 
 
 def test_no_grammar_with_row_capacity_gives_the_all_allowed_mask(case, smollm2):
@@ -50,7 +51,7 @@ def test_a_backend_layout_is_honoured(case, smollm2, monkeypatch):
 
     def per_request(placement, batch, nodes, vocab_size, row_capacity):
         blocks = tuple((b * nodes, nodes, b * 4) for b in range(batch))
-        return ps.MaskLayout(4 * batch, blocks, placement)
+        return MaskLayout(4 * batch, blocks, placement)
 
     monkeypatch.setattr(ps.get_backend("numpy"), "mask_layout", per_request)
     mask = ps.build_grammar_vocab_mask(_fresh(requests), tree, smollm2.size, row_capacity=8)
@@ -71,7 +72,7 @@ def test_a_bad_backend_layout_is_refused_before_matchers_move(case, smollm2, mon
     requests, tree, _ = case
 
     def bad(placement, batch, nodes, vocab_size, row_capacity):
-        return ps.MaskLayout(10, blocks, placement)
+        return MaskLayout(10, blocks, placement)
 
     monkeypatch.setattr(ps.get_backend("numpy"), "mask_layout", bad)
     matchers = [None, ProtocolMatcher(requests[1].fresh())]

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 import portable_spec as ps
+from portable_spec.backend import ArrayInfo, Backend
+from portable_spec.hostbuffers import HostBufferPool
+from portable_spec.registry import backend_for
 
 
 def run_python(code: str, *, env_extra: dict | None = None, cwd=None) -> str:
@@ -53,15 +56,15 @@ def test_available_backends_name_frameworks_not_devices():
 def test_backend_for_array_types():
     import torch
 
-    assert ps.backend_for(np.zeros(3)).name == "numpy"
-    assert ps.backend_for(np.int64(3)).name == "numpy"
-    assert ps.backend_for(torch.zeros(3)).name == "torch"
-    assert ps.backend_for(torch.device("cpu")).name == "torch"
+    assert backend_for(np.zeros(3)).name == "numpy"
+    assert backend_for(np.int64(3)).name == "numpy"
+    assert backend_for(torch.zeros(3)).name == "torch"
+    assert backend_for(torch.device("cpu")).name == "torch"
     jax = pytest.importorskip("jax")
-    assert ps.backend_for(jax.numpy.zeros(3)).name == "jax"
-    assert ps.backend_for(jax.devices()[0]).name == "jax"
+    assert backend_for(jax.numpy.zeros(3)).name == "jax"
+    assert backend_for(jax.devices()[0]).name == "jax"
     with pytest.raises(TypeError, match="no portable_spec backend handles builtins.dict"):
-        ps.backend_for({})
+        backend_for({})
 
 
 def test_import_hygiene():
@@ -82,7 +85,8 @@ def test_import_hygiene():
         tree = ps.GrammarTree.from_host([[1, -1]], [[-1, -1]], [[0, 5]])
         mask = ps.build_grammar_vocab_mask([M()], tree, 100)
         ps.apply_vocab_mask(np.zeros((2, 100), np.float32), mask)
-        ps.backend_for(np.zeros(2))
+        from portable_spec.registry import backend_for
+        backend_for(np.zeros(2))
         print(sorted(m for m in ("torch", "jax", "xgrammar") if m in sys.modules))
         """
     )
@@ -101,7 +105,8 @@ def test_entry_point_plugin(tmp_path):
         textwrap.dedent(
             """
             import numpy as np
-            from portable_spec import ArrayInfo, Backend, HostBufferPool
+            from portable_spec.backend import ArrayInfo, Backend
+            from portable_spec.hostbuffers import HostBufferPool
 
             class FakeBackend(Backend):
                 name = "fake"
@@ -153,7 +158,8 @@ def test_entry_point_plugin(tmp_path):
         before = "fakefw" in sys.modules
         import fakefw
         t = fakefw.Tensor([[1, -1], [-1, -1], [0, 7]])
-        b = ps.backend_for(t)
+        from portable_spec.registry import backend_for
+        b = backend_for(t)
         tree = ps.GrammarTree.from_device(fakefw.Tensor([[1, -1]]), fakefw.Tensor([[-1, -1]]),
                                           fakefw.Tensor([[0, 7]]))
 
@@ -181,7 +187,7 @@ def test_register_backend_checks():
     with pytest.raises(TypeError, match="expects a Backend subclass"):
         ps.register_backend(object)
 
-    class Nameless(ps.Backend):
+    class Nameless(Backend):
         pass
 
     with pytest.raises(ValueError, match="must set both `name` and `framework`"):
@@ -196,18 +202,18 @@ class _PlacedArray:
         self.device = device
 
 
-class _PlacedBackend(ps.Backend):
+class _PlacedBackend(Backend):
     name = "placed-test"
     framework = "numpy"
 
     def __init__(self):
-        self.pool = ps.HostBufferPool()
+        self.pool = HostBufferPool()
 
     def owns(self, obj):
         return isinstance(obj, _PlacedArray)
 
     def array_info(self, array):
-        return ps.ArrayInfo(array.data.shape, array.data.dtype, array.data.dtype.kind in "iu")
+        return ArrayInfo(array.data.shape, array.data.dtype, array.data.dtype.kind in "iu")
 
     def device_of(self, array):
         return array.device

@@ -14,6 +14,11 @@ import xgrammar as xgr
 from _oracle import ProtocolMatcher
 
 import portable_spec as ps
+from portable_spec.stats import (
+    get_slow_grammar_threshold,
+    reset_grammar_stats,
+    set_slow_grammar_threshold,
+)
 
 
 class SlowMatcher(ProtocolMatcher):
@@ -30,16 +35,16 @@ class SlowMatcher(ProtocolMatcher):
 
 @pytest.fixture
 def fresh_stats():
-    ps.reset_grammar_stats()
-    old = ps.get_slow_grammar_threshold()
+    reset_grammar_stats()
+    old = get_slow_grammar_threshold()
     yield
-    ps.set_slow_grammar_threshold(old)
-    ps.reset_grammar_stats()
+    set_slow_grammar_threshold(old)
+    reset_grammar_stats()
 
 
 def test_slow_request_is_logged_and_counted(smollm2, fresh_stats, caplog):
     compiled = smollm2.grammars["regex"]
-    ps.set_slow_grammar_threshold(0.05)
+    set_slow_grammar_threshold(0.05)
     fast = xgr.GrammarMatcher(compiled)
     slow = SlowMatcher(xgr.GrammarMatcher(compiled), 0.08)
     tree = ps.GrammarTree.from_linear_chain(np.zeros((3, 2), dtype=np.int64))
@@ -53,7 +58,7 @@ def test_slow_request_is_logged_and_counted(smollm2, fresh_stats, caplog):
     assert stats["builds"] == 1 and stats["requests"] == 2 and stats["rows"] == 6
     assert stats["slow_requests"] == 1 and stats["last_slow_request"] == 2
     assert stats["last_slow_seconds"] >= 0.08 and stats["slowest_seconds"] >= 0.08
-    ps.set_slow_grammar_threshold(None)
+    set_slow_grammar_threshold(None)
     with caplog.at_level(logging.WARNING, logger="portable_spec"):
         ps.build_host_bitmask([fast, None, slow], tree, smollm2.size)
     assert len([r for r in caplog.records if r.name == "portable_spec"]) == 1  # none added
@@ -63,7 +68,7 @@ def test_slow_request_is_logged_and_counted(smollm2, fresh_stats, caplog):
 def test_threshold_validation(fresh_stats, monkeypatch):
     for bad in (0, -1, "1", True):
         with pytest.raises(ValueError, match="threshold must be a positive number"):
-            ps.set_slow_grammar_threshold(bad)
+            set_slow_grammar_threshold(bad)
     from portable_spec import stats
 
     monkeypatch.setenv("PORTABLE_SPEC_SLOW_GRAMMAR_MS", "250")

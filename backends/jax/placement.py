@@ -138,7 +138,7 @@ def _split(sharding: Sharding) -> _Split:
 def mask_layout(
     placement: Any, batch: int, nodes: int, vocab_size: int, capacity: int | None
 ) -> MaskLayout:
-    """The JAX backend's :meth:`portable_spec.Backend.mask_layout`.
+    """The JAX backend's :meth:`portable_spec.backend.Backend.mask_layout`.
 
     With a placement that splits the mask's rows into ``parts`` blocks, ``capacity`` (the
     global row count) gives each block ``capacity / parts`` rows: its requests' rows first,

@@ -1,15 +1,18 @@
-"""What the builder knows about a matcher, and a per-object cache of it."""
+"""What every engine shares: the facts about a matcher (and a per-object cache of them), and
+the contract of an engine's draft states (:class:`NodeStates`)."""
 
 from __future__ import annotations
 
 import sys
 import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["NO_STOP_IDS", "IdentityCache", "MatcherInfo"]
+__all__ = ["NO_STOP_IDS", "IdentityCache", "MatcherInfo", "NodeStates"]
 
 NO_STOP_IDS = np.empty(0, dtype=np.int64)
 T = TypeVar("T")
@@ -90,3 +93,89 @@ class IdentityCache(Generic[T]):
 # sys.getrefcount of a held object that only the cache references: the entry tuple's
 # reference and getrefcount's own argument.
 _CACHE_ONLY_REFS = 2
+
+
+class NodeStates(ABC):
+    """One request's grammar state at the live nodes of a draft tree that grows level by level
+    (what :class:`portable_spec.DraftSession` keeps per request; each engine module has its
+    own, made by its ``*_states`` function).
+
+    For every new node whose parent is live and whose token the parent's row allows, the
+    engine says what the grammar makes of it, as a :mod:`portable_spec.engines.walk` outcome:
+    ``REFUSED`` (rejected), ``ENDED_HELD``/``ENDED_FREE`` (accepted and terminated: the end
+    token) or ``LIVE`` (accepted; its row is written). Engines that fork keep one matcher
+    state per live node and never move the session's matcher; engines that cannot fork move
+    the one matcher along root paths inside :meth:`grow` and :meth:`forced` and restore it
+    before they return (see :class:`portable_spec.engines.walk.ReplayStates`).
+
+    Rows follow the row contract of :func:`portable_spec.build_host_bitmask`: every engine
+    writes the same bits the builder writes for the same root path.
+
+    Args:
+        matcher: the request's matcher, in the state after its committed tokens.
+        info: the builder's facts about the matcher (width, vocabulary, stop tokens).
+        words: the model's row width (int32 words); rows narrower matchers write are zero
+            past their own width.
+    """
+
+    #: deepest node (draft tokens below the root) the engine can reach; None: unbounded
+    max_depth: int | None = None
+    #: whether :meth:`grow` releases the GIL for its work (worth running requests on threads)
+    parallel: bool = False
+
+    def __init__(self, matcher: Any, info: MatcherInfo, words: int) -> None:
+        self.matcher = matcher
+        self.info = info
+        self.words = words
+        self._scratch: np.ndarray | None = None
+
+    @abstractmethod
+    def start(self, rows: np.ndarray) -> bool:
+        """Write the root's row into ``rows[0]`` (``rows``: this request's C-contiguous int32
+        ``[capacity, words]`` block). Returns False when the matcher is terminated (nothing
+        written: the caller makes every row all-allowed)."""
+
+    @abstractmethod
+    def grow(
+        self,
+        items: Sequence[tuple[int, int, int]],
+        rows: np.ndarray,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+    ) -> list[int]:
+        """Decide the candidate nodes ``items`` = ``(node, parent, token)`` of one level.
+
+        Every parent is live and every token is allowed by its parent's row. Writes the row
+        of each node found ``LIVE`` into ``rows[node]``. ``parents``/``tokens`` are the
+        request's int64 ``[capacity]`` tree so far (replaying engines walk root paths with
+        them). Returns one :mod:`portable_spec.engines.walk` outcome per item.
+        """
+
+    @abstractmethod
+    def forced(
+        self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
+    ) -> list[int]:
+        """The grammar's forced continuation after live node ``node``: at most ``most``
+        tokens every output must continue with (possibly none)."""
+
+    def discard(self, first: int) -> None:  # noqa: B027 (optional hook)
+        """Forget what is kept for nodes ``>= first`` (a level that failed)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what is kept (forks)."""
+
+    # -- rows -----------------------------------------------------------------------------------
+    def _row_target(self, rows: np.ndarray, node: int) -> tuple[np.ndarray, int]:
+        """Where to fill ``node``'s row: ``(array, index)`` (a scratch row for a matcher
+        narrower than the model)."""
+        if self.info.words == self.words:
+            return rows, node
+        if self._scratch is None:
+            self._scratch = np.zeros((1, self.info.words), dtype=np.int32)
+        return self._scratch, 0
+
+    def _finish_row(self, rows: np.ndarray, node: int, target: np.ndarray) -> None:
+        """Copy a scratch row in place (zeros past the matcher's width)."""
+        if target is not rows:
+            rows[node, : self.info.words] = target[0]
+            rows[node, self.info.words :] = 0

@@ -1,4 +1,5 @@
-"""Matchers following :class:`portable_spec.GrammarMatcherLike`: the shared iterative walk.
+"""Matchers following :class:`portable_spec.GrammarMatcherLike`: the shared iterative walk,
+and draft states by ``fork()`` (xgrammar's too) or by replaying root paths.
 
 ``accept_token``/``rollback``/``fill_next_token_bitmask``/``is_terminated`` are the moves;
 :mod:`portable_spec.engines.walk` owns the row contract and the rollback bookkeeping.
@@ -6,15 +7,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
 
 import numpy as np
 
-from portable_spec.engines.base import MatcherInfo
-from portable_spec.engines.walk import ENDED_HELD, LIVE, REFUSED, walk_tree
+from portable_spec.engines.base import MatcherInfo, NodeStates
+from portable_spec.engines.walk import ENDED_HELD, LIVE, REFUSED, ReplayStates, walk_tree
 
-__all__ = ["generic_info", "take_token", "walk_generic"]
+__all__ = [
+    "ForkStates",
+    "ProtocolReplayStates",
+    "generic_info",
+    "generic_states",
+    "take_token",
+    "walk_generic",
+]
 
 
 def take_token(matcher: Any, token: int) -> int:
@@ -85,3 +94,129 @@ def generic_info(matcher: Any, index: int, vocab_size: int) -> MatcherInfo:
             f"({own} tokens)"
         )
     return MatcherInfo((own + 31) // 32, own)
+
+
+# -- draft states ------------------------------------------------------------------------------
+def _tail_word(info: MatcherInfo) -> np.int32 | None:
+    """The bits of a protocol matcher's last word that lie inside its vocabulary (its rows may
+    carry bits past it: the row contract says 0), or None when the vocabulary fills it."""
+    if info.vocab_size % 32:
+        return np.int32((1 << (info.vocab_size % 32)) - 1)
+    return None
+
+
+def _fill_row(
+    states: NodeStates, matcher: Any, rows: np.ndarray, node: int, tail: np.int32 | None
+) -> None:
+    """Fill ``rows[node]`` from ``matcher`` (a scratch row for a narrower matcher), its last
+    word cut to the matcher's vocabulary when ``tail`` says so."""
+    target, index = states._row_target(rows, node)
+    matcher.fill_next_token_bitmask(target, index)
+    states._finish_row(rows, node, target)
+    if tail is not None:
+        rows[node, states.info.words - 1] &= tail
+
+
+class ForkStates(NodeStates):
+    """xgrammar matchers, and protocol matchers whose ``fork()`` gives an independent matcher
+    of the same type: one accepted fork per live node (a level costs fork + accept + fill per
+    new node); the session's matcher is never moved."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo, words: int, *, protocol: bool) -> None:
+        super().__init__(matcher, info, words)
+        self.states: dict[int, Any] = {}
+        self._tail = _tail_word(info) if protocol else None
+
+    def _fill(self, state: Any, rows: np.ndarray, node: int) -> None:
+        _fill_row(self, state, rows, node, self._tail)
+
+    def start(self, rows: np.ndarray) -> bool:
+        if self.matcher.is_terminated():
+            return False
+        self._fill(self.matcher, rows, 0)
+        self.states[0] = self.matcher
+        return True
+
+    def grow(
+        self,
+        items: Sequence[tuple[int, int, int]],
+        rows: np.ndarray,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+    ) -> list[int]:
+        states = self.states
+        outcomes = []
+        for node, parent, token in items:
+            state = states[parent].fork()
+            outcome = take_token(state, token)
+            if outcome == LIVE:
+                self._fill(state, rows, node)
+                states[node] = state
+            outcomes.append(outcome)
+        return outcomes
+
+    def forced(
+        self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
+    ) -> list[int]:
+        find = getattr(self.states[node], "find_jump_forward_tokens", None)
+        return [int(t) for t in find()][:most] if callable(find) else []
+
+    def discard(self, first: int) -> None:
+        for node in [n for n in self.states if n >= first]:
+            del self.states[node]
+
+    def close(self) -> None:
+        self.states.clear()
+
+
+class ProtocolReplayStates(ReplayStates):
+    """Protocol matchers without a usable ``fork()``: the one matcher is moved to each parent
+    (see :class:`portable_spec.engines.walk.ReplayStates`)."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo, words: int) -> None:
+        super().__init__(matcher, info, words)
+        self._tail = _tail_word(info)
+
+    def _fill(self, rows: np.ndarray, node: int) -> None:
+        _fill_row(self, self.matcher, rows, node, self._tail)
+
+    def start(self, rows: np.ndarray) -> bool:
+        if self.matcher.is_terminated():
+            return False
+        self._fill(rows, 0)
+        return True
+
+    def _try(self, token: int, rows: np.ndarray, node: int) -> int:
+        outcome = take_token(self.matcher, token)
+        if outcome == REFUSED:
+            return REFUSED
+        try:
+            if outcome == LIVE:
+                self._fill(rows, node)
+            return outcome
+        finally:
+            self.matcher.rollback(1)
+
+    def _forced_here(self, row: np.ndarray, most: int) -> list[int]:
+        find = getattr(self.matcher, "find_jump_forward_tokens", None)
+        return [int(t) for t in find()][:most] if callable(find) else []
+
+
+def generic_states(matcher: Any, info: MatcherInfo, words: int) -> NodeStates:
+    """Draft states of a protocol matcher: by ``fork()`` when it forks faithfully, else by
+    replaying root paths."""
+    fork = getattr(matcher, "fork", None)
+    if callable(fork) and _forks_faithfully(matcher):
+        return ForkStates(matcher, info, words, protocol=True)
+    return ProtocolReplayStates(matcher, info, words)
+
+
+def _forks_faithfully(matcher: Any) -> bool:
+    """Whether ``matcher.fork()`` returns an object of the matcher's own type (an xgrammar
+    subclass overriding the protocol gets a plain ``GrammarMatcher`` back: its overrides would
+    be lost on forks, so it is replayed instead)."""
+    try:
+        fork = matcher.fork()
+    except Exception:
+        return False
+    return type(fork) is type(matcher)

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.base import IdentityCache, MatcherInfo, NodeStates
 from portable_spec.engines.walk import ENDED_FREE, ENDED_HELD, LIVE, REFUSED, walk_tree
 
 __all__ = [
+    "LLGuidanceStates",
     "check_llmatcher",
     "ended",
     "fill_llguidance_chains",
@@ -348,3 +350,65 @@ def _ends(matcher: Any, path: list[int]) -> bool:
     """Whether consuming ``path`` ends the grammar on its last token (an end token)."""
     fork = matcher.deep_copy()
     return fork.try_consume_tokens(path) == len(path) and fork.stop_reason() == _ENDED
+
+
+# -- draft states ------------------------------------------------------------------------------
+class LLGuidanceStates(NodeStates):
+    """Draft states of an ``llguidance.LLMatcher``: one ``deep_copy()`` per live node that
+    consumed its token (the session's matcher is never moved).
+
+    As in the builder's walk: a node whose parent is *stopped* (the grammar is complete, only
+    the end token may follow) is terminated without consuming anything, and a node whose
+    token makes the stop reason ``EndOfSentence`` is terminated."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo, words: int) -> None:
+        super().__init__(matcher, info, words)
+        self.states: dict[int, Any] = {}
+        self.stopped: dict[int, bool] = {}
+
+    def _fill(self, state: Any, rows: np.ndarray, node: int) -> None:
+        target, index = self._row_target(rows, node)
+        row = target[index]
+        state.unsafe_compute_mask_ptr(row.ctypes.data, self.info.words * 4)
+        self._finish_row(rows, node, target)
+
+    def start(self, rows: np.ndarray) -> bool:
+        if ended(self.matcher):
+            return False
+        self._fill(self.matcher, rows, 0)
+        self.states[0] = self.matcher
+        self.stopped[0] = bool(self.matcher.is_stopped())
+        return True
+
+    def grow(
+        self,
+        items: Sequence[tuple[int, int, int]],
+        rows: np.ndarray,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+    ) -> list[int]:
+        outcomes = []
+        for node, parent, token in items:
+            stopped = self.stopped[parent]
+            state = self.states[parent] if stopped else self.states[parent].deep_copy()
+            outcome = take_token(state, token, stopped)
+            if outcome == LIVE:
+                self._fill(state, rows, node)
+                self.states[node] = state
+                self.stopped[node] = bool(state.is_stopped())
+            outcomes.append(outcome)
+        return outcomes
+
+    def forced(
+        self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
+    ) -> list[int]:
+        return [int(t) for t in self.states[node].compute_ff_tokens()][:most]
+
+    def discard(self, first: int) -> None:
+        for node in [n for n in self.states if n >= first]:
+            del self.states[node]
+            del self.stopped[node]
+
+    def close(self) -> None:
+        self.states.clear()
+        self.stopped.clear()

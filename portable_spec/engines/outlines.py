@@ -32,9 +32,16 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
-from portable_spec.engines.walk import ENDED_FREE, LIVE, REFUSED, walk_tree
+from portable_spec.engines.walk import ENDED_FREE, LIVE, REFUSED, ReplayStates, walk_tree
 
-__all__ = ["STATE_ROWS_BUDGET", "StateRows", "is_guide", "probe_outlines", "walk_outlines"]
+__all__ = [
+    "STATE_ROWS_BUDGET",
+    "OutlinesStates",
+    "StateRows",
+    "is_guide",
+    "probe_outlines",
+    "walk_outlines",
+]
 
 _cache: IdentityCache[MatcherInfo] = IdentityCache()
 _MAX_ROLLBACK_IN_MESSAGE = re.compile(r"max_rollback\s*=\s*(\d+)")
@@ -186,3 +193,86 @@ def walk_outlines(
     beforehand); the guide is back in its starting state, also when it raises."""
     steps = _GuideSteps(guide, rows)
     return walk_tree(steps, next_token, next_sibling, draft, rows, vocab_limit)
+
+
+# -- draft states ------------------------------------------------------------------------------
+class OutlinesStates(ReplayStates):
+    """Draft states of an ``outlines_core.Guide``: the guide is moved along root paths with
+    ``advance`` / ``rollback_state`` (see :class:`portable_spec.engines.walk.ReplayStates`);
+    an allowed token that does not advance below a final state is the end token
+    (terminated), anywhere else it is rejected. Rows are kept by guide state across calls,
+    as the builder's walk keeps them."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo, words: int) -> None:
+        super().__init__(matcher, info, words)
+        self.max_depth = info.max_depth
+
+    def _advance(self, token: int) -> bool:
+        try:
+            self.matcher.advance(token, return_tokens=False)
+        except ValueError:
+            return False
+        return True
+
+    def _back(self, count: int) -> None:
+        self.matcher.rollback_state(count)
+
+    def _fill(self, rows: np.ndarray, node: int) -> None:
+        guide = self.matcher
+        state = guide.get_state()
+        cached = state_rows.get(guide, state, self.words)
+        if cached is None:
+            guide.write_mask_into(rows[node].ctypes.data, self.words, 4)
+            state_rows.put(guide, state, rows[node])
+        else:
+            rows[node] = cached
+
+    def start(self, rows: np.ndarray) -> bool:
+        self._fill(rows, 0)
+        return True
+
+    def _try(self, token: int, rows: np.ndarray, node: int) -> int:
+        if not self._advance(token):
+            return ENDED_FREE if self.matcher.is_finished() else REFUSED
+        try:
+            self._fill(rows, node)
+            return LIVE
+        finally:
+            self.matcher.rollback_state(1)
+
+    def _forced_here(self, row: np.ndarray, most: int) -> list[int]:
+        """Tokens that are the only one their state allows (outlines-core has no forced
+        continuation of its own); stops at final states, where the text may end."""
+        found: list[int] = []
+        guide = self.matcher
+        scratch = np.empty(self.words, dtype=np.int32)
+        current = row
+        moved = 0
+        try:
+            while moved < most and not guide.is_finished():
+                token = _single_token(current)
+                if token is None or not self._advance(token):
+                    break
+                moved += 1
+                found.append(token)
+                state = guide.get_state()
+                cached = state_rows.get(guide, state, self.words)
+                if cached is None:
+                    guide.write_mask_into(scratch.ctypes.data, self.words, 4)
+                    cached = scratch
+                current = cached
+        finally:
+            if moved:
+                guide.rollback_state(moved)
+        return found
+
+
+def _single_token(row: np.ndarray) -> int | None:
+    """The token of a row that allows exactly one, else None."""
+    words = np.flatnonzero(row)
+    if len(words) != 1:
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(words[0]) * 32 + word.bit_length() - 1

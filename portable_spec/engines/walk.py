@@ -6,15 +6,22 @@ loop owns the row contract of :func:`portable_spec.build_host_bitmask` (node 0 i
 node is accepted when its parent is live, its token lies in ``[0, vocab)`` and the parent's row
 allows it), the rollback bookkeeping and the node counts; it has no recursion, so chains of any
 depth work, and it leaves the matcher where it started, also when a step raises.
+
+:class:`ReplayStates` is the same idea for a draft tree that grows level by level: the draft
+states of engines that cannot fork move their one matcher along root paths.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["ENDED_FREE", "ENDED_HELD", "LIVE", "REFUSED", "Steps", "walk_tree"]
+from portable_spec.engines.base import NodeStates
+
+__all__ = ["ENDED_FREE", "ENDED_HELD", "LIVE", "REFUSED", "ReplayStates", "Steps", "walk_tree"]
 
 #: outcomes of :meth:`Steps.advance`
 REFUSED = 0  # the matcher does not take the token (nothing held)
@@ -115,3 +122,102 @@ def walk_tree(
         if held:
             steps.rollback(held)
     return filled, checked, rejected
+
+
+# -- draft states that replay root paths --------------------------------------------------------
+def root_path(node: int, parents: np.ndarray) -> list[int]:
+    """Nodes from the root's first child down to ``node`` (empty for the root)."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = int(parents[node])
+    path.reverse()
+    return path
+
+
+class ReplayStates(NodeStates):
+    """Draft states of an engine that cannot fork: one matcher moved along root paths.
+
+    It visits each parent of a level in depth-first order (replaying only what differs from
+    the previous parent's path), tries each child with one step forward and back, and is back
+    at its start before :meth:`grow` returns, also when it raises. A level costs
+    ``sum(depth of its parents)`` accepts and rollbacks on top of one accept per new node."""
+
+    def _advance(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    def _back(self, count: int) -> None:
+        self.matcher.rollback(count)
+
+    @abstractmethod
+    def _try(self, token: int, rows: np.ndarray, node: int) -> int:
+        """Try one child from the current position (an outcome); leave the matcher where it
+        was."""
+
+    @abstractmethod
+    def _forced_here(self, row: np.ndarray, most: int) -> list[int]:
+        """At most ``most`` forced tokens from the current position (``row``: its mask)."""
+
+    def _visit(
+        self, groups: dict[int, list[tuple[int, Any]]], parents: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        """Move to each parent of ``groups`` in depth-first order and call its children's
+        callbacks there; the matcher is back at its start afterwards."""
+        paths = {p: root_path(p, parents) for p in groups}
+        cursor: list[int] = []
+        try:
+            for parent in sorted(groups, key=lambda p: paths[p]):
+                target = paths[parent]
+                common = 0
+                while (
+                    common < len(cursor)
+                    and common < len(target)
+                    and cursor[common] == target[common]
+                ):
+                    common += 1
+                if len(cursor) > common:
+                    self._back(len(cursor) - common)
+                    del cursor[common:]
+                for v in target[common:]:
+                    if not self._advance(int(tokens[v])):
+                        raise RuntimeError(
+                            f"the matcher refused token {int(tokens[v])} of node {v} on a "
+                            "path it accepted before"
+                        )
+                    cursor.append(v)
+                for _, callback in groups[parent]:
+                    callback()
+        finally:
+            if cursor:
+                self._back(len(cursor))
+
+    def grow(
+        self,
+        items: Sequence[tuple[int, int, int]],
+        rows: np.ndarray,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+    ) -> list[int]:
+        outcomes = [REFUSED] * len(items)
+        groups: dict[int, list[tuple[int, Any]]] = {}
+        for i, (node, parent, token) in enumerate(items):
+
+            def decide(i: int = i, node: int = node, token: int = token) -> None:
+                outcomes[i] = self._try(token, rows, node)
+
+            groups.setdefault(parent, []).append((i, decide))
+        self._visit(groups, parents, tokens)
+        return outcomes
+
+    def forced(
+        self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
+    ) -> list[int]:
+        found: list[int] = []
+        if self.max_depth is not None:
+            most = min(most, self.max_depth - len(root_path(node, parents)))
+
+        def here() -> None:
+            found.extend(self._forced_here(rows[node], most))
+
+        self._visit({node: [(0, here)]}, parents, tokens)
+        return found

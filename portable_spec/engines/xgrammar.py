@@ -1,4 +1,5 @@
-"""``xgrammar.GrammarMatcher``: facts by probing, rows by its C++ ``traverse_draft_tree``."""
+"""``xgrammar.GrammarMatcher``: facts by probing, rows by its C++ ``traverse_draft_tree``,
+draft states by ``fork()``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.generic import ForkStates
 
-__all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info"]
+__all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info", "xgrammar_states"]
 
 _cache: IdentityCache[MatcherInfo] = IdentityCache()
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
@@ -82,3 +84,12 @@ def walk_xgrammar(
         return False
     matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
     return True
+
+
+def xgrammar_states(matcher: Any, info: MatcherInfo, words: int) -> ForkStates:
+    """Draft states of an xgrammar matcher: one accepted ``fork()`` per live node (the
+    session's matcher is never moved). xgrammar releases the GIL while it fills a row, so a
+    large level runs its requests on the library's pool."""
+    states = ForkStates(matcher, info, words, protocol=False)
+    states.parallel = True
+    return states

@@ -1,33 +1,5 @@
-"""Grammar-aware drafting: masks for a draft tree that grows level by level.
-
-A drafter that grows its tree level by level (EAGLE's top-k expansion, a beam, a trie walked
-by depth) asks at every level "what may follow this node?": exactly the rows the verify mask
-needs. :class:`DraftSession` answers that question once per node, for a whole batch:
-
-::
-
-    with ps.DraftSession(matchers, vocab, device=dev) as session:
-        rows = session.root_mask()                    # [batch, words]: no device sync
-        for level in range(depth):
-            logits = ps.apply_vocab_mask(draft_logits, rows)
-            parents, tokens = pick(logits)            # [batch, k] each, host or device
-            rows = session.extend(parents, tokens)    # [batch * k, words]: the new nodes
-        mask = session.verify_mask(select)            # the verify tree's mask, no second walk
-
-Node ids: the root is node 0; the ``k`` nodes of a level get the next ``k`` ids, the same
-for every request (``session.nodes`` before the call is the first). A parent of -1 marks a
-padding slot (no node: all-allowed row, never valid).
-
-Each live node's grammar state is kept (a matcher fork for xgrammar, llguidance and protocol
-matchers with ``fork()``; see :mod:`portable_spec.draftstates` for matchers that cannot
-fork), so a level costs work proportional to its new nodes, and the session's matchers are
-never moved. What is kept is released by :meth:`DraftSession.close` (the ``with`` block's
-end, also when it raises).
-
-The rows follow the row contract of :func:`portable_spec.build_host_bitmask`, node by node:
-the verify mask of any subtree of the drafted tree (:meth:`DraftSession.verify_mask`) is
-bit-identical to :func:`portable_spec.build_grammar_vocab_mask` on that subtree.
-"""
+"""``DraftSession``: one grammar state per drafted node, masks for the drafter and the
+verify mask from the same rows (see :mod:`portable_spec.drafting`)."""
 
 from __future__ import annotations
 
@@ -38,143 +10,25 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.api import _arrange, _check_capacity, _check_layout
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, PARALLEL_MIN_NODES, check_vocab_size
-from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates, node_states
+from portable_spec.builder import check_vocab_size
+from portable_spec.delivery import built_rows, deliver, plan, resolve_target, settle_dense
+from portable_spec.drafting.levels import check_depths, check_parents, node_states, run_states
+from portable_spec.drafting.trees import StagedColumns, check_selection, selection_tree
+from portable_spec.drafting.vocab import DraftVocab
+from portable_spec.engines.base import NodeStates
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
+from portable_spec.grammars import NONE, classify_grammars, words_for
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import ALL_ALLOWED
 from portable_spec.pending import check_not_pending
-from portable_spec.pool import WorkItemError, run_indexed
-from portable_spec.registry import backend_for, get_backend
-from portable_spec.tree import GrammarTree, as_int64
+from portable_spec.tree import GrammarTree, host_array
 
-__all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
+__all__ = ["DraftSession", "forced_tokens"]
 
 # The session's host copy of every node's row, reused from session to session (a fresh
 # multi-megabyte block per step costs page faults).
 _stores = HostBufferPool(max_free=4)
-
-
-def _is_integer(dtype: Any) -> bool:
-    return np.dtype(dtype).kind in "iu"
-
-
-def _to_host(name: str, array: Any) -> np.ndarray:
-    """A host numpy view of a host array (numpy, list, host tensor); device arrays raise."""
-    if isinstance(array, np.ndarray):
-        return array
-    if isinstance(array, (list, tuple, np.generic)):
-        host = np.asarray(array)
-        return host.astype(np.int64) if host.size == 0 else host
-    try:
-        return backend_for(array).to_host(array)
-    except TypeError as exc:
-        raise TypeError(f"{name} must be a host array: {exc}") from exc
-
-
-class _Staged:
-    """One level's (or selection's) arrays whose host copy may be in flight."""
-
-    def __init__(self, arrays: Sequence[Any], names: Sequence[str], batch: int) -> None:
-        self.names = tuple(names)
-        hosts: list[Any] = []
-        infos = []
-        for name, array in zip(names, arrays, strict=True):
-            if isinstance(array, (list, tuple)):
-                array = np.asarray(array)
-                if array.size == 0:
-                    array = array.astype(np.int64)
-            backend = backend_for(array)
-            try:
-                info = backend.array_info(array)
-            except ValueError as exc:  # a JAX array deleted (donated) before staging
-                raise ValueError(f"{name}: {exc}") from exc
-            except TypeError as exc:  # a torch meta tensor, ...
-                raise TypeError(f"{name}: {exc}") from exc
-            if not info.is_integer:
-                raise TypeError(f"{name} must have an integer dtype, got {info.dtype}")
-            shape = tuple(info.shape)
-            if len(shape) == 1 and batch == 1:
-                shape = (1, shape[0])
-            if len(shape) != 2 or shape[0] != batch:
-                raise ValueError(
-                    f"{name} must be [batch, k] with batch = {batch} (a 1-D [k] array for "
-                    f"batch 1), got shape {tuple(info.shape)}"
-                )
-            if shape[1] < 1:
-                raise ValueError(f"{name} has no columns (shape {tuple(info.shape)})")
-            infos.append(shape)
-            hosts.append((backend, array))
-        if any(s != infos[0] for s in infos[1:]):
-            raise ValueError(
-                f"{names[0]} has shape {infos[0]} but {names[1]} has shape {infos[1]}; "
-                "they must have the same shape"
-            )
-        self.shape: tuple[int, int] = infos[0]
-        self._handles = []
-        for backend, array in hosts:  # started now: the copies overlap what follows
-            self._handles.append(backend.stage([array]))
-
-    def resolve(self) -> list[np.ndarray]:
-        """Wait for the copies; C-contiguous int64 ``[batch, k]`` arrays."""
-        out = []
-        for handle in self._handles:
-            (host,) = handle.resolve()
-            out.append(as_int64(host, self.shape))
-        return out
-
-
-class _DraftVocab:
-    """An EAGLE-3 style draft vocabulary: draft token ``i`` is target token ``d2t[i]``."""
-
-    def __init__(self, d2t: Any, vocab_size: int) -> None:
-        host = _to_host("d2t", d2t)
-        if not _is_integer(host.dtype):
-            raise TypeError(f"d2t must have an integer dtype, got {host.dtype}")
-        if host.ndim != 1 or host.size == 0:
-            raise ValueError(f"d2t must be a non-empty 1-D [draft_vocab] array, got {host.shape}")
-        ids = host.astype(np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-        if bad.size:
-            raise ValueError(
-                f"d2t[{int(bad[0])}] = {int(ids[bad[0]])} is not a target token id "
-                f"(0 <= id < vocab_size = {vocab_size}); d2t holds target ids, not offsets "
-                "(EAGLE-3 checkpoints store offsets: pass d2t + arange(len(d2t)))"
-            )
-        self.size = int(ids.size)
-        self.words = words_for(self.size)
-        # bit t of a little-endian row is bit t % 8 of byte t // 8
-        self._byte = (ids >> 3).astype(np.intp)
-        self._shift = (ids & 7).astype(np.uint8)
-
-    def convert(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Target-vocabulary rows ``[n, W]`` -> draft-vocabulary rows ``out`` ``[n, Wd]``.
-
-        Bit ``i`` of a draft row is bit ``d2t[i]`` of the target row (vectorized: one gather
-        of ``n * draft_vocab`` bytes, no loop over tokens; about 20 us per row for a 32000-token
-        draft vocabulary on one core of the development machine). All-allowed rows stay all-allowed;
-        a row allowing no draft token (the grammar wants a token outside the draft
-        vocabulary) becomes all-allowed too, so that no drafter softmax row is all ``-inf``.
-        """
-        out.fill(ALL_ALLOWED)
-        if rows.shape[0] == 0:
-            return
-        real = np.flatnonzero((rows != ALL_ALLOWED).any(axis=1))
-        if real.size == 0:
-            return
-        little = rows[real].astype("<i4", copy=False).view(np.uint8)  # [r, 4 * W] bytes
-        bits = np.take(little, self._byte, axis=1)  # [r, draft_vocab] uint8
-        np.right_shift(bits, self._shift, out=bits)
-        np.bitwise_and(bits, 1, out=bits)
-        packed = np.packbits(bits, axis=1, bitorder="little")
-        words = np.zeros((real.size, self.words * 4), dtype=np.uint8)
-        words[:, : packed.shape[1]] = packed
-        converted = words.view("<i4").astype(np.int32, copy=False)
-        empty = ~converted.any(axis=1)
-        converted[empty] = ALL_ALLOWED
-        out[real] = converted
 
 
 class DraftSession:
@@ -233,8 +87,8 @@ class DraftSession:
         self.batch = len(grammars)
         if self.batch == 0:
             raise ValueError("a draft session needs at least one request")
-        self._backend, self._placement = _resolve_target(device, backend)
-        self._draft = None if d2t is None else _DraftVocab(d2t, self.vocab_size)
+        self._backend, self._placement = resolve_target(device, backend)
+        self._draft = None if d2t is None else DraftVocab(d2t, self.vocab_size)
         kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
         check_not_pending(grammars)  # a pending build is walking them: refused before any move
         self.words = words_for(self.vocab_size)
@@ -247,7 +101,7 @@ class DraftSession:
         self._closed = False
         self._nodes = 1
         self._levels = 0
-        self._pending: list[tuple[int, _Staged]] = []
+        self._pending: list[tuple[int, StagedColumns]] = []
         self.timings = {"levels": 0, "wait_s": 0.0, "grammar_s": 0.0, "upload_s": 0.0}
         self._capacity = 0
         self._store: HostBuffer | None = None
@@ -421,7 +275,7 @@ class DraftSession:
         New node ids: ``session.nodes`` (read before the call) up to ``session.nodes + k - 1``.
         """
         self._check_open()
-        staged = _Staged((parents, tokens), ("parents", "tokens"), self.batch)
+        staged = StagedColumns((parents, tokens), ("parents", "tokens"), self.batch)
         if masks:  # the states fork or move the session's matchers: not while a build walks them
             check_not_pending(self._grammars)
         k = staged.shape[1]
@@ -452,13 +306,13 @@ class DraftSession:
                 raise
             self._pending.pop(0)
 
-    def _add_level(self, first: int, staged: _Staged, *, pending: bool = False) -> None:
+    def _add_level(self, first: int, staged: StagedColumns, *, pending: bool = False) -> None:
         t0 = time.perf_counter()
         parents, tokens = staged.resolve()
         t1 = time.perf_counter()
         k = parents.shape[1]
         where = " (a level added with masks=False)" if pending else ""
-        self._validate_level(first, parents, where)
+        check_parents(first, parents, self._parents, where)
         self._grow(first + k)
         batch = self.batch
         columns = slice(first, first + k)
@@ -466,7 +320,7 @@ class DraftSession:
         safe_parent = np.where(pad, 0, parents)
         rows_b = np.arange(batch)[:, None]
         depth = np.where(pad, 0, self._depth[rows_b, safe_parent] + 1)
-        self._check_depths(depth, where)
+        check_depths(self._states, self._constrained, depth, where)
 
         parent_live = self._live[rows_b, safe_parent] & ~pad
         limits = self._limits[:, None]
@@ -486,7 +340,19 @@ class DraftSession:
         if unconstrained:
             valid[unconstrained] = ~pad[unconstrained]
             live[unconstrained] = ~pad[unconstrained]
-        self._run_states(first, parents, tokens, candidate, valid, live)
+        run_states(
+            self._states,
+            self._constrained,
+            self._rows,
+            self._parents,
+            self._tokens,
+            first,
+            parents,
+            tokens,
+            candidate,
+            valid,
+            live,
+        )
         block = self._rows[:, columns]
         block[~live | pad] = ALL_ALLOWED
         if unconstrained:
@@ -500,126 +366,13 @@ class DraftSession:
         self.timings["wait_s"] += t1 - t0
         self.timings["grammar_s"] += time.perf_counter() - t1
 
-    def _validate_level(self, first: int, parents: np.ndarray, where: str) -> None:
-        bad = np.argwhere((parents < -1) | (parents >= first))
-        if bad.size:
-            b, j = (int(x) for x in bad[0])
-            raise ValueError(
-                f"parents[{b}, {j}] = {int(parents[b, j])} is not a node of the tree{where}: "
-                f"parents must be existing nodes 0..{first - 1}, or -1 for a padding slot"
-            )
-        safe = np.where(parents < 0, 0, parents)
-        padding_parent = (self._parents[np.arange(self.batch)[:, None], safe] < 0) & (safe > 0)
-        bad = np.argwhere(padding_parent & (parents >= 0))
-        if bad.size:
-            b, j = (int(x) for x in bad[0])
-            raise ValueError(
-                f"parents[{b}, {j}] = {int(parents[b, j])} is a padding slot{where} (its "
-                "parent was -1): padding has no children"
-            )
-
-    def _check_depths(self, depth: np.ndarray, where: str) -> None:
-        for b in self._constrained:
-            limit = self._states[b].max_depth  # type: ignore[union-attr]
-            if limit is not None and depth[b].max(initial=0) > limit:
-                deepest = int(depth[b].max())
-                raise ValueError(
-                    f"the tree of request {b} would be {deepest} draft tokens deep{where} but "
-                    f"grammars[{b}] can roll back only {limit} (an outlines_core.Guide built "
-                    f"with max_rollback={limit}); build its Guide with max_rollback >= {deepest}"
-                )
-
-    def _run_states(
-        self,
-        first: int,
-        parents: np.ndarray,
-        tokens: np.ndarray,
-        candidate: np.ndarray,
-        valid: np.ndarray,
-        live: np.ndarray,
-    ) -> None:
-        """Decide every candidate node with its request's grammar state (on the pool for
-        forking xgrammar requests when the level is large)."""
-        k = parents.shape[1]
-        jobs: list[tuple[int, Callable[[], None]]] = []
-        serial: list[tuple[int, Callable[[], None]]] = []
-        for b in self._constrained:
-            states = self._states[b]
-            assert states is not None
-            columns = np.flatnonzero(candidate[b])
-            if columns.size == 0:
-                continue
-            items = [
-                (first + int(j), int(parents[b, j]), int(tokens[b, j])) for j in columns.tolist()
-            ]
-
-            def job(b: int = b, states: NodeStates = states, items: list = items) -> None:
-                outcomes = states.grow(items, self._rows[b], self._parents[b], self._tokens[b])
-                for (node, _, _), outcome in zip(items, outcomes, strict=True):
-                    valid[b, node - first] = outcome >= TERMINATED
-                    live[b, node - first] = outcome == LIVE
-
-            forks = self._kinds[b] == XGRAMMAR and isinstance(states, _ForkStates)
-            (jobs if forks else serial).append((b, job))
-        if serial:  # Python-bound engines: other threads would only take turns with the GIL
-
-            def run_serial() -> None:
-                for b, job in serial:
-                    try:
-                        job()
-                    except BaseException as exc:
-                        raise MatcherError(b, exc) from exc
-
-            jobs.append((serial[0][0], run_serial))
-        parallel = len(self._constrained) * k >= PARALLEL_MIN_NODES
-        try:
-            run_indexed(lambda i: jobs[i][1](), len(jobs), parallel=parallel and len(jobs) > 1)
-        except WorkItemError as exc:
-            for states in self._states:
-                if states is not None:
-                    states.discard(first)
-            if isinstance(exc.error, MatcherError):
-                raise exc.error from exc.error.error
-            raise MatcherError(jobs[exc.index][0], exc.error) from exc.error
-
     # -- the verify mask ----------------------------------------------------------------------
     def _selection(self, select: Any) -> np.ndarray:
         """The selected node ids ``[batch, m]`` (validated), all nodes when None."""
         n = self._nodes
         if select is None:
             return np.broadcast_to(np.arange(n, dtype=np.int64), (self.batch, n))
-        (sel,) = _Staged((select,), ("select",), self.batch).resolve()
-        if not (sel[:, 0] == 0).all():
-            b = int(np.flatnonzero(sel[:, 0] != 0)[0])
-            raise ValueError(
-                f"select[{b}, 0] = {int(sel[b, 0])}: the first node must be 0, the root"
-            )
-        bad = np.argwhere((sel < -1) | (sel >= n))
-        if bad.size:
-            b, j = (int(x) for x in bad[0])
-            raise ValueError(
-                f"select[{b}, {j}] = {int(sel[b, j])} is not a node (0..{n - 1}, or -1 for padding)"
-            )
-        batch, m = sel.shape
-        rows_b = np.repeat(np.arange(batch), m)
-        flat = sel.reshape(-1)
-        chosen = flat >= 0
-        count = np.zeros((batch, n), dtype=np.int64)
-        np.add.at(count, (rows_b[chosen], flat[chosen]), 1)
-        dup = np.argwhere(count > 1)
-        if dup.size:
-            b, v = (int(x) for x in dup[0])
-            raise ValueError(f"select[{b}] names node {v} twice")
-        parent = self._parents[rows_b, np.where(chosen, flat, 0)]
-        orphan = chosen & (parent >= 0) & ~(count[rows_b, np.where(parent >= 0, parent, 0)] > 0)
-        if orphan.any():
-            i = int(np.flatnonzero(orphan)[0])
-            b, j = divmod(i, m)
-            raise ValueError(
-                f"select[{b}, {j}] = {int(flat[i])} but its parent {int(parent[i])} is not "
-                "selected: the selection must contain every selected node's ancestors"
-            )
-        return sel
+        return check_selection(select, self.batch, self._parents, n)
 
     def verify_mask(self, select: Any = None, *, row_capacity: int | None = None) -> Any:
         """The grammar mask of the verify tree: the drafted tree, or a subtree of it.
@@ -668,18 +421,7 @@ class DraftSession:
         self._check_open()
         self._flush()
         sel = self._selection(select)
-        batch, m = sel.shape
-        local = np.full((batch, self._capacity), -1, dtype=np.int64)
-        rows_b = np.arange(batch)[:, None]
-        cols = np.broadcast_to(np.arange(m), (batch, m))
-        chosen = sel >= 0
-        local[np.broadcast_to(rows_b, (batch, m))[chosen], sel[chosen]] = cols[chosen]
-        safe = np.where(chosen, sel, 0)
-        parent = np.where(chosen, self._parents[rows_b, safe], -1)
-        parent_local = np.where(parent >= 0, local[rows_b, np.where(parent >= 0, parent, 0)], -1)
-        next_token, next_sibling = links_from_parents(parent_local)
-        draft = np.where(chosen, self._tokens[rows_b, safe], 0)
-        return GrammarTree.from_host(next_token, next_sibling, draft)
+        return selection_tree(sel, self._parents, self._tokens)
 
     def valid(self, select: Any = None) -> np.ndarray:
         """bool ``[batch, m]``: whether the grammar accepts each node's root path (end tokens
@@ -722,8 +464,8 @@ class DraftSession:
         if nodes is None:
             chosen = [0] * self.batch
         else:
-            host = _to_host("nodes", nodes).reshape(-1)
-            if not _is_integer(host.dtype) or host.shape != (self.batch,):
+            host = host_array("nodes", nodes).reshape(-1)
+            if host.dtype.kind not in "iu" or host.shape != (self.batch,):
                 raise ValueError(f"nodes must be {self.batch} integer node ids, got {host!r}")
             chosen = [int(v) for v in host]
             for b, v in enumerate(chosen):
@@ -748,11 +490,8 @@ class DraftSession:
         """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
         request has a grammar). Raises before anything is computed."""
         vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
-        rows = self.batch * nodes
-        capacity = None if row_capacity is None else _check_capacity(row_capacity, rows)
-        layout = self._backend.mask_layout(self._placement, self.batch, nodes, vocab, capacity)
-        _check_layout(layout, rows, self._backend)
-        if not self._constrained and capacity is None and not layout.collective:
+        layout = plan(self._backend, self._placement, self.batch, nodes, vocab, row_capacity)
+        if not self._constrained and row_capacity is None and not layout.collective:
             return None
         return layout
 
@@ -779,116 +518,17 @@ class DraftSession:
         if layout is None:
             return None
         t0 = time.perf_counter()
-        backend = self._backend
-        built = sum(count for _, count, _ in layout.blocks)
-        buffer = backend.acquire_host_mask(layout.host_rows, words, layout.placement)
-        try:
-            if self._constrained:
-                fill(buffer.array[:built])
-                _arrange(buffer.array, layout.blocks)
-            else:
-                buffer.array.fill(ALL_ALLOWED)
-        except BaseException:
-            backend.release_host_mask(buffer)
-            raise
-        uploaded = backend.upload(buffer, layout.placement)
+        constrained = bool(self._constrained)
+        built = built_rows(layout)
+
+        def build(host: np.ndarray) -> np.ndarray | None:
+            if constrained:
+                fill(host[:built])
+            return settle_dense(host, layout, constrained, True)
+
+        uploaded, _ = deliver(self._backend, layout, words, build)
         self.timings["upload_s"] += time.perf_counter() - t0
         return uploaded
-
-
-def _resolve_target(device: Any, backend: str | Backend | None) -> tuple[Backend, Any]:
-    if backend is not None:
-        if isinstance(backend, Backend):
-            return backend, device
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
-        return get_backend(backend), device
-    if device is None:
-        return get_backend("numpy"), None
-    if isinstance(device, str):
-        raise TypeError(
-            f"device={device!r} is a string: pass backend= too (e.g. backend='torch'), or a "
-            "device object (torch.device, jax.Device, jax.sharding.Sharding)"
-        )
-    return backend_for(device), device
-
-
-def links_from_parents(parents: Any) -> tuple[np.ndarray, np.ndarray]:
-    """First-child / next-sibling links of trees given by parent ids.
-
-    Args:
-        parents: int ``[batch, nodes]`` (or ``[nodes]``): each node's parent node id, -1 for the
-            root (node 0) and for padding. Children are linked in node order.
-
-    Returns:
-        ``(next_token, next_sibling)``: int64 arrays of the same shape, for
-        :meth:`portable_spec.GrammarTree.from_host`. Vectorized (no loop over nodes).
-    """
-    p = np.asarray(parents, dtype=np.int64)
-    one = p.ndim == 1
-    if one:
-        p = p[None, :]
-    if p.ndim != 2:
-        raise ValueError(f"parents must be [batch, nodes] or [nodes], got shape {p.shape}")
-    batch, nodes = p.shape
-    if ((p < -1) | (p >= nodes)).any():
-        raise ValueError("parents must be node ids of the same tree or -1")
-    next_token = np.full((batch, nodes), -1, dtype=np.int64)
-    next_sibling = np.full((batch, nodes), -1, dtype=np.int64)
-    b, v = np.nonzero(p >= 0)
-    if b.size:
-        par = p[b, v]
-        order = np.lexsort((v, par, b))  # by request, parent, node
-        b, v, par = b[order], v[order], par[order]
-        first = np.ones(b.size, dtype=bool)
-        first[1:] = (b[1:] != b[:-1]) | (par[1:] != par[:-1])
-        next_token[b[first], par[first]] = v[first]
-        follows = ~first[1:]
-        next_sibling[b[:-1][follows], v[:-1][follows]] = v[1:][follows]
-    if one:
-        return next_token[0], next_sibling[0]
-    return next_token, next_sibling
-
-
-def graft_chain(
-    parents: Sequence[int], tokens: Sequence[int], chain: Sequence[int], at: int = 0
-) -> tuple[list[int], list[int], list[int]]:
-    """Hang a draft chain (such as a forced continuation) below node ``at`` of a host tree.
-
-    Args:
-        parents: each node's parent (``parents[0] = -1``, every parent before its children).
-        tokens: each node's token.
-        chain: the tokens to add, in order.
-        at: the node the chain starts below.
-
-    Returns:
-        ``(parents, tokens, chain_nodes)``: new lists with the chain added (nodes the tree
-        already has along the chain, same parent and token, are reused rather than
-        duplicated) and the node id of each chain token.
-    """
-    parents, tokens = [int(p) for p in parents], [int(t) for t in tokens]
-    if len(parents) != len(tokens) or not parents or parents[0] != -1:
-        raise ValueError("parents and tokens must have the same length >= 1, parents[0] = -1")
-    for i, p in enumerate(parents[1:], start=1):
-        if not 0 <= p < i:
-            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
-    if not 0 <= at < len(parents):
-        raise ValueError(f"at = {at} is not a node (0..{len(parents) - 1})")
-    children: dict[int, dict[int, int]] = {}
-    for i, p in enumerate(parents[1:], start=1):
-        children.setdefault(p, {}).setdefault(tokens[i], i)
-    node, nodes = at, []
-    for token in chain:
-        token = int(token)
-        child = children.get(node, {}).get(token)
-        if child is None:
-            child = len(parents)
-            parents.append(node)
-            tokens.append(token)
-            children.setdefault(node, {})[token] = child
-        nodes.append(child)
-        node = child
-    return parents, tokens, nodes
 
 
 def forced_tokens(
