@@ -196,7 +196,7 @@ def build_host_bitmask(
     """
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
-    if reasoning is None and tree.is_chain and layout == "dense" and max_rows is None:
+    if reasoning is None and layout == "dense" and max_rows is None:
         done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
         if done is not None:
             return done

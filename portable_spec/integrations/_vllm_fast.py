@@ -26,22 +26,9 @@ import numpy as np
 from portable_spec import native as compiled
 from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.pending import pending_builds
+from portable_spec.small import chain_links
 
-__all__ = ["chain_links", "fast_rows", "may_reason"]
-
-_links: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-
-def chain_links(nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(next_token, next_sibling)`` of one chain of ``nodes`` nodes: int64 ``[nodes]`` each,
-    node ``i``'s child ``i + 1``, no siblings; made once per length and shared (do not modify:
-    they stay writable only because xgrammar reads them through DLPack)."""
-    links = _links.get(nodes)
-    if links is None:
-        next_token = np.arange(1, nodes + 1, dtype=np.int64)
-        next_token[-1] = -1
-        links = _links[nodes] = (next_token, np.full(nodes, -1, dtype=np.int64))
-    return links
+__all__ = ["fast_rows", "may_reason"]
 
 
 def may_reason(manager: Any) -> bool:
