@@ -31,6 +31,9 @@ from portable_spec.small import chain_links
 __all__ = ["fast_rows", "may_reason"]
 
 
+_NO_STOPS = np.zeros(0, dtype=np.int64)
+
+
 def may_reason(manager: Any) -> bool:
     """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: it does
     only with a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
@@ -54,7 +57,7 @@ def fast_rows(
     Blocks until the rows are written; every matcher ends where it started. Sets the manager's
     ``_portable_spec_unwritten`` (the strided rows vLLM never reads)."""
     native = compiled.native
-    if native is None or not getattr(native, "REPAIR_VALID", 0) or pending_builds():
+    if native is None or not hasattr(native, "repair_chains") or pending_builds():
         return None
     if may_reason(manager):
         return None
@@ -90,30 +93,20 @@ def fast_rows(
     if total > buffer.shape[0]:
         return None
     draft = np.array(flat, dtype=np.int64)
-    valid = np.empty(len(flat), dtype=bool)
     out = buffer[:total]
-    repair = native.repair_rows
     limit = words * 32
     unwritten: list[int] = []
+    spans = []  # per request: first row, first token, nodes, matcher live
     pos = row = 0
     for grammar, info, nodes in zip(grammars, infos, lengths, strict=True):
-        block = out[row : row + nodes]
-        if info is None:
-            block.fill(-1)
-        else:
+        live = 0
+        if info is not None and not grammar.matcher.is_terminated():
             next_token, next_sibling = chain_links(nodes)
-            tokens = draft[pos : pos + nodes]
-            matcher = grammar.matcher
-            live = 0
-            if not matcher.is_terminated():
-                matcher.traverse_draft_tree(next_token, next_sibling, tokens, block)
-                live = 1
-            flags = valid[pos : pos + nodes]
-            refused = repair(block, next_token, next_sibling, tokens, limit, info.stop_ids,
-                             live, flags)[2]  # fmt: skip
-            if refused:  # vLLM repeats the row before the first refused draft
-                first = int(flags.argmin())
-                block[first:] = block[first - 1]
+            grammar.matcher.traverse_draft_tree(
+                next_token, next_sibling, draft[pos : pos + nodes], out[row : row + nodes]
+            )
+            live = 1
+        spans.append((row, pos, nodes, live))
         pos += nodes
         row += nodes
         if stride_k is not None and nodes <= stride_k:
@@ -121,5 +114,14 @@ def fast_rows(
             out[row:end] = -1
             unwritten.extend(range(row, end))
             row = end
+    # one repair for the batch (live chains only) when the stop tokens agree (one tokenizer)
+    table = np.array(spans, dtype=np.int64)
+    walked = [i for i in infos if i is not None]
+    if walked and all(i.stop_set == walked[0].stop_set for i in walked):
+        native.repair_chains(out, draft, table, limit, walked[0].stop_ids, 1)
+    else:
+        for c, info in enumerate(infos):
+            stops = _NO_STOPS if info is None else info.stop_ids
+            native.repair_chains(out, draft, table[c : c + 1], limit, stops, 1)
     manager._portable_spec_unwritten = unwritten
     return out
