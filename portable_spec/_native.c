@@ -31,6 +31,16 @@
  *       first `kept` entries are valid. For the compact layout, which copies exactly those
  *       rows out and never writes an all-allowed one.
  *
+ *   repair_chains(rows, tokens, spans, limit, stop_ids, repeat) -> (checked, rejected)
+ *       repair_rows for many chains in one call, after xgrammar's traverse_draft_tree filled
+ *       each chain's rows: `spans` (int64 [chains, 4]) gives per chain its first row in
+ *       `rows` (int32 [R, words]), its first token in `tokens` (int64 [T], root first), its
+ *       length (>= 1) and whether its matcher was live (0: every row all-allowed). A chain's
+ *       rows are kept up to its first draft that is out of [0, limit), whose bit is clear in
+ *       the row before it, or that is a stop token; every later row is written all-allowed,
+ *       or, with `repeat` and a refused (not a stop) draft, a copy of the row before the
+ *       refused draft (vLLM's rule). Spans are bounds-checked before anything is written.
+ *
  *   take_rows(source, index, dest[, numbers, base])
  *       dest[i, :w] = source[index[i], :w] for every i, w = min(source width, dest width);
  *       the words of dest past the source's width are set to 0; numbers[i] = index[i] + base
@@ -425,6 +435,79 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *repair_chains(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *tokens_obj, *spans_obj, *stops_obj;
+    long long limit;
+    int repeat;
+    if (!PyArg_ParseTuple(args, "OOOLOi", &rows_obj, &tokens_obj, &spans_obj, &limit, &stops_obj,
+                          &repeat))
+        return NULL;
+    Py_buffer rows, tokens, spans, stops;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    if (get_buffer(tokens_obj, &tokens, 0, 'i', 8, 1, "tokens") != 0) goto fail_rows;
+    if (get_buffer(spans_obj, &spans, 0, 'i', 8, 2, "spans") != 0) goto fail_tokens;
+    if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
+    Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], ntok = tokens.shape[0];
+    Py_ssize_t chains = spans.shape[0];
+    const int64_t *sp = (const int64_t *)spans.buf;
+    int bad = spans.shape[1] != 4 || limit > (long long)words * 32;
+    for (Py_ssize_t c = 0; c < chains && !bad; c++) {
+        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
+        bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > ntok - n;
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "repair_chains: spans out of bounds or malformed");
+        goto fail_stops;
+    }
+    Py_ssize_t checked = 0, rejected = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *mask = (int32_t *)rows.buf;
+    const int64_t *tok = (const int64_t *)tokens.buf, *stop = (const int64_t *)stops.buf;
+    Py_ssize_t nstops = stops.shape[0];
+    size_t width = sizeof(int32_t) * (size_t)words;
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        int32_t *base = mask + sp[4 * c] * words;
+        const int64_t *chain = tok + sp[4 * c + 1];
+        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2], first = 0, refused = 0;
+        if (sp[4 * c + 3]) {
+            for (first = 1; first < n; first++) {
+                int64_t t = chain[first];
+                const uint32_t *parent = (const uint32_t *)(base + (first - 1) * words);
+                checked++;
+                if (!(t >= 0 && t < limit && ((parent[t >> 5] >> (t & 31)) & 1u))) {
+                    rejected++;
+                    refused = 1;
+                    break;
+                }
+                int is_stop = 0;
+                for (Py_ssize_t s = 0; s < nstops && !is_stop; s++) is_stop = stop[s] == t;
+                if (is_stop) break;
+            }
+        }
+        for (Py_ssize_t v = first; v < n; v++) {
+            if (repeat && refused)
+                memcpy(base + v * words, base + (first - 1) * words, width);
+            else
+                memset(base + v * words, 0xff, width);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&stops);
+    PyBuffer_Release(&spans);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&rows);
+    return Py_BuildValue("nn", checked, rejected);
+fail_stops:
+    PyBuffer_Release(&stops);
+fail_spans:
+    PyBuffer_Release(&spans);
+fail_tokens:
+    PyBuffer_Release(&tokens);
+fail_rows:
+    PyBuffer_Release(&rows);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"links_valid", links_valid, METH_VARARGS,
      "links_valid(next_token, next_sibling) -> bool: whether int64 [batch, nodes] links form "
@@ -434,6 +517,10 @@ static PyMethodDef methods[] = {
      "(kept, checked, rejected): write -1 into every row of one request that is not an "
      "accepted, non-terminated node's; count rows kept, draft nodes checked against the "
      "grammar and those refused (GIL released)."},
+    {"repair_chains", repair_chains, METH_VARARGS,
+     "repair_chains(rows, tokens, spans, limit, stop_ids, repeat) -> (checked, rejected): "
+     "repair_rows over many chains in one call; with `repeat`, rows after a refused draft "
+     "copy the row before it (GIL released)."},
     {"keep_rows", keep_rows, METH_VARARGS,
      "keep_rows(rows, next_token, next_sibling, draft, limit, stop_ids, root_ok, kept) -> "
      "(kept, checked, refused): the decision of repair_rows without writing any row; the "

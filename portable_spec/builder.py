@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec import small
 from portable_spec.engines.generic import walk_generic
 from portable_spec.engines.llguidance import fill_llguidance_chains, walk_llguidance
 from portable_spec.engines.outlines import walk_outlines
-from portable_spec.engines.xgrammar import walk_xgrammar, xgrammar_info
+from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import (
     GENERIC,
@@ -34,11 +35,10 @@ from portable_spec.grammars import (
     OUTLINES,
     XGRAMMAR,
     MatcherInfo,
-    _kind_by_type,
     classify_grammars,
     words_for,
 )
-from portable_spec.pending import check_not_pending, pending_builds
+from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, get_num_threads, run_indexed
 from portable_spec.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.stats import record_build
@@ -60,8 +60,6 @@ SPLIT_MIN_PART = 16
 # short for a second thread to gain, workers would mostly wait for the GIL (measured with 1
 # to 8 drafts, batch 8 to 256: the pool was slower in every configuration).
 INLINE_CHAIN_NODES = 9
-# Up to this many chain requests take the single-function path (see _small_chains).
-SMALL_CHAIN_BATCH = 8
 SHORT_CHAIN_FACTOR = 64
 
 _scratch = threading.local()
@@ -198,8 +196,8 @@ def build_host_bitmask(
     """
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
-    if reasoning is None and tree.is_chain and layout == "dense" and max_rows is None:
-        done = _small_chains(grammars, tree, vocab_size, out, return_valid)
+    if reasoning is None and layout == "dense" and max_rows is None:
+        done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
         if done is not None:
             return done
     vocab_size = check_vocab_size(vocab_size)
@@ -308,93 +306,6 @@ def build_host_bitmask(
         valid = accepted if packed else accepted.reshape(batch, nodes)
     account(constrained, owners, seconds, counts, rows, (started, resolved))
     return mask if valid is None else (mask, valid)
-
-
-def _small_chains(
-    grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
-) -> Any:
-    """The most common small call in one function: a few ``from_linear_chain`` requests of
-    plain xgrammar matchers already probed at the model's width, nothing pending, a valid
-    ``out`` (or none). Walks and repairs each request on the calling thread like
-    :func:`_build_inline`, touching as little Python as possible (a batch-1 call is dominated
-    by it when the caches are cold). Returns ``None`` whenever anything is unusual: the general
-    path then checks everything and raises what it must."""
-    native = compiled.native
-    batch, nodes = tree.batch, tree.nodes
-    if (
-        native is None
-        or type(grammars) is not list
-        or len(grammars) != batch
-        or not 0 < batch <= SMALL_CHAIN_BATCH
-        or nodes > INLINE_CHAIN_NODES
-        or type(vocab_size) is not int
-        or vocab_size <= 0
-        or pending_builds()
-        or (return_valid and not _repair_writes_valid())
-    ):
-        return None
-    words = (vocab_size + 31) >> 5
-    infos = []
-    for g in grammars:
-        if _kind_by_type.get(type(g)) != XGRAMMAR:
-            return None
-        info = xgrammar_info(g)
-        if info is None or info.words != words:
-            return None
-        infos.append(info)
-    if batch > 1 and len({id(g) for g in grammars}) != batch:
-        return None
-    rows = batch * nodes
-    if out is None:
-        mask = np.empty((rows, words), dtype=np.int32)
-    elif (
-        type(out) is np.ndarray
-        and out.dtype == np.int32
-        and out.shape == (rows, words)
-        and out.flags.c_contiguous
-        and out.flags.writeable
-    ):
-        mask = out
-    else:
-        return None
-    started = perf_counter()
-    next_token, next_sibling, draft = tree.resolve()
-    resolved = perf_counter()
-    accepted = np.empty((batch, nodes), dtype=bool) if return_valid else None
-    repair = native.repair_rows
-    walks = []
-    checked = rejected = 0
-    began = resolved
-    for b, matcher in enumerate(grammars):
-        info = infos[b]
-        block = mask[b * nodes : (b + 1) * nodes]
-        nt, ns, dt = next_token[b], next_sibling[b], draft[b]
-        limit = min(vocab_size, info.vocab_size)
-        try:
-            live = 0
-            if not matcher.is_terminated():
-                matcher.traverse_draft_tree(nt, ns, dt, block)
-                live = 1
-            if accepted is None:
-                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live)
-            else:
-                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live, accepted[b])
-        except BaseException as exc:
-            raise MatcherError(b, exc) from exc
-        checked += c
-        rejected += r
-        ended = perf_counter()
-        walks.append((b, ended - began))
-        began = ended
-    record_build(
-        walks,
-        rows,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
-    return mask if accepted is None else (mask, accepted)
 
 
 def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:

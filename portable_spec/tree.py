@@ -389,6 +389,27 @@ class GrammarTree:
             self._staged = []
         return self._arrays  # type: ignore[return-value]
 
+    def host_chain_tokens(self) -> np.ndarray | None:
+        """Internal (the small-call path): the tokens of a host chain tree, unresolved, as the
+        caller gave them, when they are already a C-contiguous, writable, native int64 numpy
+        array: ``[batch, nodes]`` for :meth:`from_linear_chain`, ``[rows]`` for
+        :meth:`from_packed_chains` whose rows are its chains back to back. ``None`` otherwise
+        (then :meth:`resolve`). Read them only while the build that asked runs."""
+        if self._arrays is not None or len(self._staged) != 1 or not (self._chain or self._packed):
+            return None
+        staged = self._staged[0][1]
+        if type(staged) is not _Ready:
+            return None
+        tokens = staged._arrays[0]
+        if (
+            tokens.dtype != np.int64
+            or not tokens.flags.c_contiguous
+            or not tokens.flags.writeable
+            or (self._packed and (self._offsets is None or tokens.shape[0] != self.rows))
+        ):
+            return None
+        return tokens
+
     def validate(self) -> None:
         """Resolve and check the links (once); raise ``ValueError`` naming the problem.
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import portable_spec as ps
 import portable_spec.builder as builder_module
+import portable_spec.small as small_module
 import portable_spec.topology as topology_module
 from portable_spec.stats import reset_grammar_stats
 
@@ -122,20 +123,20 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
     few requests, short chains): rows, valid flags, node counts against the replay oracle, an
     ``out=`` filled with garbage rewritten in full, matchers back where they started; and the
     call really took that path."""
-    case = draw_case(data, vocab, max_batch=builder_module.SMALL_CHAIN_BATCH, max_nodes=9,
+    case = draw_case(data, vocab, max_batch=small_module.SMALL_CHAIN_BATCH, max_nodes=9,
                      protocol=False)  # fmt: skip
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
     case.next_sibling = np.full((batch, nodes), -1)
     taken = []
-    small = builder_module._small_chains
+    small = small_module.small_chains
 
     def spy(*args):
         result = small(*args)
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(builder_module, "_small_chains", spy)
+    monkeypatch.setattr(small_module, "small_chains", spy)
     # the first call learns each matcher's width; the second one can take the short path
     ps.build_host_bitmask(
         case.matchers, ps.GrammarTree.from_linear_chain(case.draft), case.vocab_size

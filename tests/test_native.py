@@ -67,3 +67,70 @@ def test_repair_rows_against_a_reference():
         for j in range(n):
             want = original[j] if keep[j] else np.full(words, -1, np.int32)
             np.testing.assert_array_equal(rows[j], want)
+
+
+def _chain_reference(rows, chain, live, limit, stops, repeat):
+    """The rows of one chain after repair, by a plain loop: kept up to the first draft out of
+    range, not allowed by the row before it, or a stop token; later rows all-allowed, or the
+    row before a refused draft with ``repeat``."""
+    rows = rows.copy()
+    first, refused = 0, False
+    if live:
+        for first in range(1, len(chain) + 1):
+            if first == len(chain):
+                break
+            t = int(chain[first])
+            word = int(rows[first - 1, t // 32]) if 0 <= t < limit else 0
+            if not (word >> (t % 32)) & 1:
+                refused = True
+                break
+            if t in stops:
+                break
+    for v in range(first, len(chain)):
+        rows[v] = rows[first - 1] if repeat and refused else -1
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repair_chains_against_a_reference(seed):
+    """Many chains in one call (strided rows, gaps, dead matchers, stop tokens, tokens out of
+    range or refused): every chain's rows as the plain loop says, rows outside the spans
+    untouched, both with and without vLLM's repeat rule."""
+    rng = np.random.default_rng(seed)
+    words = 3
+    limit = words * 32 - int(rng.integers(0, 5))
+    stops = [int(s) for s in rng.choice(limit, 2, replace=False)]
+    chains, spans, row = [], [], 0
+    for _ in range(int(rng.integers(1, 9))):
+        n = int(rng.integers(1, 7))
+        chain = rng.integers(-2, words * 32 + 3, size=n)
+        spans.append((row, sum(map(len, chains)), n, int(rng.random() < 0.85)))
+        chains.append(chain)
+        row += n + int(rng.integers(0, 3))  # gaps: rows no chain owns
+    tokens = np.concatenate(chains).astype(np.int64)
+    for repeat in (0, 1):
+        rows = rng.integers(-(2**31), 2**31, size=(row + 1, words), dtype=np.int32)
+        # mostly allowed bits, so that chains run deep
+        rows |= rng.integers(-(2**31), 2**31, size=rows.shape, dtype=np.int32)
+        want = rows.copy()
+        for (r, _t, n, live), chain in zip(spans, chains, strict=True):
+            want[r : r + n] = _chain_reference(rows[r : r + n], chain, live, limit, stops, repeat)
+        table = np.array(spans, dtype=np.int64)
+        native.repair_chains(rows, tokens, table, limit, np.array(stops, np.int64), repeat)
+        np.testing.assert_array_equal(rows, want)
+
+
+def test_repair_chains_checks_spans_before_writing():
+    rows = np.zeros((4, 2), np.int32)
+    tokens = np.zeros(4, np.int64)
+    stops = np.zeros(0, np.int64)
+    for bad in ([[0, 0, 5, 1]], [[3, 0, 2, 1]], [[0, 3, 2, 1]], [[0, 0, 0, 1]], [[-1, 0, 1, 1]]):
+        with pytest.raises(ValueError, match="spans"):
+            native.repair_chains(rows, tokens, np.array(bad, np.int64), 64, stops, 1)
+        assert (rows == 0).all()
+    with pytest.raises(ValueError):
+        native.repair_chains(rows, tokens, np.zeros((1, 3), np.int64), 64, stops, 1)
+    with pytest.raises(ValueError):
+        native.repair_chains(rows, tokens, np.array([[0, 0, 1, 1]], np.int64), 65, stops, 1)
+    with pytest.raises(TypeError):
+        native.repair_chains(rows, tokens.astype(np.int32), np.array([[0, 0, 1, 1]]), 64, stops, 1)

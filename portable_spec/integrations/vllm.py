@@ -26,6 +26,10 @@ What the plugin builds, and what it leaves to vLLM:
   (lm-format-enforcer), diffusion models (no bonus row), configurations without speculative
   tokens, or a build the library refuses (a matcher in an error state, an outlines guide
   whose rollback window is too short) runs vLLM's own fill for that step.
+* The common step (every request an xgrammar grammar the library has seen, no reasoning
+  parser, no ``-1`` padding) takes a short path (``_vllm_fast``): one xgrammar walk per
+  request into vLLM's buffer and one compiled repair for the batch; anything else goes
+  through the checked path below.
 * Reasoning models: each request's reasoning bounds come from vLLM's own
   ``_get_constraint_bounds`` (its per-request reasoner), so the rows follow vLLM's rule for
   every parser it has; the library's chain starts where vLLM's grammar starts.
@@ -47,6 +51,7 @@ from typing import Any
 import numpy as np
 
 import portable_spec as ps
+from portable_spec.integrations._vllm_fast import fast_rows, may_reason
 
 __all__ = [
     "ENV_VAR",
@@ -361,32 +366,29 @@ def _build_or_none(
     """
     if not ids:
         return None
-    config = self.vllm_config
-    if config.model_config.is_diffusion:
-        _warn_once("diffusion", "portable_spec: diffusion models keep vLLM's own fill")
-        return None
-    k = config.num_speculative_tokens
-    if not k:
-        return None  # no speculative rows: vLLM's own (parallel) fill
-    try:
-        plan = _plan(self, requests, ids, spec_tokens, k if layout == "strided" else None)
-    except LookupError as exc:
-        _warn_once(f"backend:{exc}", "portable_spec: %s grammars keep vLLM's own fill", exc)
-        return None
-    tensor = self._grammar_bitmask
-    if tensor is None:  # vLLM's own buffer, allocated as vLLM does
-        tensor = self._grammar_bitmask = self.backend.allocate_token_bitmask(
-            config.scheduler_config.max_num_seqs * (1 + k)
-        )
-    view = getattr(self, "_portable_spec_view", None)
-    if view is None or view[0] is not tensor:  # the buffer's numpy view, made once
-        view = self._portable_spec_view = (tensor, tensor.numpy())
-    buffer = view[1]
+    setup = getattr(self, "_portable_spec_setup", None)
+    if setup is None or setup[0] is not self._grammar_bitmask:
+        setup = _setup(self)
+        if setup is None:
+            return None
+    _, buffer, k = setup
     if copy:  # shadow mode: a buffer of the same size, kept on the manager
         scratch = getattr(self, "_portable_spec_scratch", None)
         if scratch is None or scratch.shape != buffer.shape:
             scratch = self._portable_spec_scratch = np.empty_like(buffer)
         buffer = scratch
+    stride_k = k if layout == "strided" else None
+    try:
+        out = fast_rows(self, requests, ids, spec_tokens, stride_k, buffer)
+    except Exception:  # the checked path below takes the step and names the problem
+        out = None
+    if out is not None:
+        return out
+    try:
+        plan = _plan(self, requests, ids, spec_tokens, stride_k)
+    except LookupError as exc:
+        _warn_once(f"backend:{exc}", "portable_spec: %s grammars keep vLLM's own fill", exc)
+        return None
     out = buffer[: plan.total]
     self._portable_spec_unwritten = plan.unwritten
     try:
@@ -399,6 +401,27 @@ def _build_or_none(
         )
         return None
     return out
+
+
+def _setup(self: Any) -> tuple[Any, np.ndarray, int] | None:
+    """What stays the same for the engine's life, read once per manager: vLLM's bitmask
+    buffer (allocated as vLLM does when missing), its numpy view and the number of speculative
+    tokens. None: vLLM's own fill (a diffusion model, or no speculative tokens)."""
+    config = self.vllm_config
+    if config.model_config.is_diffusion:
+        _warn_once("diffusion", "portable_spec: diffusion models keep vLLM's own fill")
+        return None
+    k = config.num_speculative_tokens
+    if not k:
+        return None  # no speculative rows: vLLM's own (parallel) fill
+    tensor = self._grammar_bitmask
+    if tensor is None:  # vLLM's own buffer, allocated as vLLM does
+        tensor = self._grammar_bitmask = self.backend.allocate_token_bitmask(
+            config.scheduler_config.max_num_seqs * (1 + k)
+        )
+    setup = (tensor, tensor.numpy(), k)
+    self._portable_spec_setup = setup
+    return setup
 
 
 class _Plan:
@@ -459,7 +482,7 @@ def _plan(
     """
     plan = _Plan()
     bounds = self._get_constraint_bounds
-    reasoning = _may_reason(self)
+    reasoning = may_reason(self)
     for req_id in ids:
         request = requests[req_id]
         grammar = request.structured_output_request.grammar
@@ -493,14 +516,6 @@ def _plan(
             plan.add(None, [0] * (m - p), end)
         _finish_request(self, plan, request, start, m, p, c, stride_k)
     return plan
-
-
-def _may_reason(self: Any) -> bool:
-    """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: it does
-    only with a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
-    if getattr(self, "enable_in_reasoning", False) is True:
-        return False
-    return getattr(self, "reasoner_cls", True) is not None
 
 
 def _finish_request(

@@ -179,7 +179,9 @@ def _allowed(wrapper, scratch):
     return ids[ids < VOCAB]
 
 
-def _random_request(rng, make, scratch, reasoning):
+def _random_request(
+    rng, make, scratch, reasoning, kinds=("valid", "valid", "refused", "padded", "eos")
+):
     """A request in a random grammar state, with its drafts (the wrapper back in that state)."""
     wrapper = make(rng.randrange(len(SCHEMAS)))
     eos = 0  # SmolLM2's <|endoftext|>
@@ -189,7 +191,7 @@ def _random_request(rng, make, scratch, reasoning):
             break
         assert wrapper.accept_tokens("r", [rng.choice(allowed)])
     drafts, advanced = [], 0
-    kind = rng.choice(["valid", "valid", "refused", "padded", "eos"])
+    kind = rng.choice(kinds)
     length = rng.randrange(K + 1)
     while len(drafts) < length and not wrapper.is_terminated():  # (a stop token ends it too)
         allowed = _allowed(wrapper, scratch).tolist()
@@ -284,6 +286,54 @@ def test_rows_match_vllms_own_fill(factories, backend, version, reasoning):
         assert differing.size == 0, f"rows {differing.tolist()} differ (step {_step})"
         compared += int(keep.sum())
         refused += sum(1 for _, d in pairs if d and d[-1] not in (-1, 0))
+    assert compared > 100
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
+    """Steps whose requests are all xgrammar ones the library has seen, without padding or a
+    reasoning parser, are written by the plugin's one-function path (spied), every row equal
+    to vLLM's own fill, every matcher back in its state."""
+    cls = Manager032 if version == "0.32" else _manager_033()
+    layout = plugin.LAYOUTS[version]
+    make, allocate = factories["xgrammar"]
+    rng = random.Random(f"fast/{version}")
+    scratch = allocate(1)
+    manager = _manager(cls, allocate, False)
+    taken = []
+    fast = plugin.fast_rows
+
+    def spy(*args):
+        result = fast(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(plugin, "fast_rows", spy)
+    compared = 0
+    for _step in range(25):
+        batch = rng.randrange(1, 9)
+        pairs = [
+            _random_request(rng, make, scratch, False, ("valid", "refused", "eos"))
+            for _ in range(batch)
+        ]
+        requests = {r.request_id: r for r, _ in pairs}
+        spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
+        ids = list(requests)
+        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns widths
+        before = _root_rows(requests, scratch)
+        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        assert taken[-1], f"step {_step} left the fast path"
+        unwritten = list(manager._portable_spec_unwritten)
+        after = _root_rows(requests, scratch)
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and torch.equal(r0, r1)
+        theirs = cls.grammar_bitmask(manager, requests, ids, spec)
+        assert ours.shape == theirs.shape
+        keep = np.ones(len(ours), dtype=bool)
+        keep[unwritten] = False
+        differing = np.flatnonzero((ours != theirs).any(axis=1) & keep)
+        assert differing.size == 0, f"rows {differing.tolist()} differ (step {_step})"
+        compared += int(keep.sum())
     assert compared > 100
 
 

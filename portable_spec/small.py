@@ -1,0 +1,155 @@
+"""The most common small build in one function: a few short chains of plain xgrammar matchers.
+
+:func:`build_host_bitmask` tries :func:`small_chains` first for ``from_linear_chain`` trees
+without reasoning, dense layout. A batch-1 call in a serving engine starts with cold caches
+(the model's forward pass evicts them between steps), so what it costs follows the number of
+Python lines and numpy calls it runs: this path checks only what it must (and gives up on
+anything unusual, ``None``: the general path then checks everything and raises what it must),
+walks each request with xgrammar's C++ traversal and repairs its rows with the compiled helper,
+on the calling thread.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from portable_spec import native as compiled
+from portable_spec.engines.xgrammar import xgrammar_info
+from portable_spec.errors import MatcherError
+from portable_spec.grammars import XGRAMMAR, _kind_by_type
+from portable_spec.pending import pending_builds
+from portable_spec.stats import record_build
+from portable_spec.tree import GrammarTree
+
+__all__ = ["SMALL_CHAIN_BATCH", "SMALL_CHAIN_NODES", "chain_links", "small_chains"]
+
+# Up to this many chain requests, of up to this many nodes each, take this path.
+SMALL_CHAIN_BATCH = 8
+SMALL_CHAIN_NODES = 9
+
+
+_links: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def chain_links(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(next_token, next_sibling)`` of one chain of ``nodes`` nodes: int64 ``[nodes]`` each,
+    node ``i``'s child ``i + 1``, no siblings; made once per length and shared (never modify
+    them: they stay writable only because xgrammar reads them through DLPack)."""
+    links = _links.get(nodes)
+    if links is None:
+        next_token = np.arange(1, nodes + 1, dtype=np.int64)
+        next_token[-1] = -1
+        links = _links[nodes] = (next_token, np.full(nodes, -1, dtype=np.int64))
+    return links
+
+
+def small_chains(
+    grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
+) -> Any:
+    """The most common small call in one function: a few ``from_linear_chain`` or
+    ``from_packed_chains`` requests of plain xgrammar matchers already probed at the model's
+    width, nothing pending, a valid ``out`` (or none). Walks and repairs each request on the
+    calling thread, reading the caller's tokens in place when they are host int64 arrays (no
+    resolve, no padding, the links of each chain length made once). Returns what
+    :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is unusual
+    (nothing written, no matcher moved): the general path then checks everything and raises
+    what it must."""
+    native = compiled.native
+    batch = tree.batch
+    if (
+        native is None
+        or not (tree.is_chain or tree.is_packed)
+        or type(grammars) is not list
+        or len(grammars) != batch
+        or not 0 < batch <= SMALL_CHAIN_BATCH
+        or tree.nodes > SMALL_CHAIN_NODES
+        or type(vocab_size) is not int
+        or vocab_size <= 0
+        or pending_builds()
+        or (return_valid and not getattr(native, "REPAIR_VALID", 0))
+    ):
+        return None
+    words = (vocab_size + 31) >> 5
+    infos = []
+    for g in grammars:
+        if _kind_by_type.get(type(g)) != XGRAMMAR:
+            return None
+        info = xgrammar_info(g)
+        if info is None or info.words != words:
+            return None
+        infos.append(info)
+    if batch > 1 and len({id(g) for g in grammars}) != batch:
+        return None
+    rows = tree.rows
+    if out is None:
+        mask = np.empty((rows, words), dtype=np.int32)
+    elif (
+        type(out) is np.ndarray
+        and out.dtype == np.int32
+        and out.shape == (rows, words)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        mask = out
+    else:
+        return None
+    started = perf_counter()
+    packed = tree.is_packed
+    tokens = tree.host_chain_tokens()
+    if tokens is None:  # staged, another dtype or layout: the tree's own int64 copy
+        if packed:
+            return None
+        tokens = tree.resolve()[2]
+    resolved = perf_counter()
+    if packed:
+        firsts = tree.offsets.tolist()  # type: ignore[union-attr]
+        spans = tree.spans()
+    else:
+        nodes = tree.nodes
+        tokens = tokens.reshape(-1)
+        firsts = range(0, rows + 1, nodes)
+        spans = [(f, nodes) for f in firsts]
+    accepted = np.empty(rows, dtype=bool) if return_valid else None
+    repair = native.repair_rows
+    walks = []
+    checked = rejected = 0
+    began = resolved
+    for b, matcher in enumerate(grammars):
+        info = infos[b]
+        row, n = spans[b]
+        block = mask[row : row + n]
+        first = firsts[b]
+        dt = tokens[first : first + n]
+        nt, ns = chain_links(n)
+        limit = min(vocab_size, info.vocab_size)
+        try:
+            live = 0
+            if not matcher.is_terminated():
+                matcher.traverse_draft_tree(nt, ns, dt, block)
+                live = 1
+            if accepted is None:
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live)
+            else:
+                flags = accepted[row : row + n]
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live, flags)
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
+        checked += c
+        rejected += r
+        ended = perf_counter()
+        walks.append((b, ended - began))
+        began = ended
+    record_build(
+        walks,
+        rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if packed else accepted.reshape(batch, tree.nodes)

@@ -1,0 +1,231 @@
+"""The vLLM plugin's one-function path for common steps (every request an xgrammar grammar,
+no reasoning parser, no padding), without vLLM: a stand-in manager and grammar wrapper
+shaped like vLLM's, real xgrammar matchers over SmolLM2's vocabulary, and every row checked
+against a per-node replay on fresh matchers with vLLM's row rule on top (a refused draft
+repeats the row before it on every later row of its request). The same path inside real
+vLLM, against vLLM's own fill: tests/real_vllm/test_replay.py."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from _oracle import Request, expected_rows_and_live, fill_row
+
+from portable_spec.integrations import vllm as plugin
+
+K = 4
+
+
+class XgrammarGrammar:
+    """vLLM's xgrammar wrapper as the plugin reads it: ``matcher`` and ``is_terminated()``."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def is_terminated(self):
+        return self.matcher.is_terminated()
+
+
+class _Tensor:
+    """vLLM's bitmask tensor as the plugin reads it (``numpy()``)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def numpy(self):
+        return self.array
+
+
+def _manager(words, reasoner=None):
+    manager = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            num_speculative_tokens=K,
+            model_config=SimpleNamespace(is_diffusion=False),
+            scheduler_config=SimpleNamespace(max_num_seqs=8),
+        ),
+        backend=SimpleNamespace(
+            allocate_token_bitmask=lambda n: _Tensor(np.zeros((n, words), dtype=np.int32))
+        ),
+        _grammar_bitmask=None,
+        enable_in_reasoning=False,
+        reasoner_cls=reasoner,
+        _get_constraint_bounds=lambda request, tokens: (0, 0),
+    )
+    return manager
+
+
+def _random_request(rng, vocab, kind):
+    """(oracle request, drafts): a JSON-schema request in a random state with its drafts."""
+    compiled = vocab.grammars["json_schema"]
+    probe = Request(compiled).fresh()
+    prefix = []
+    for _ in range(rng.randrange(10)):
+        row = fill_row(probe, vocab.words, vocab.words * 32)
+        allowed = [t for t in np.flatnonzero(_bits(row)).tolist() if t != vocab.eos]
+        if not allowed:
+            break
+        t = rng.choice(allowed)
+        assert probe.accept_token(t)
+        prefix.append(t)
+    drafts = []
+    length = rng.randrange(K + 1)
+    while len(drafts) < length and not probe.is_terminated():
+        row = fill_row(probe, vocab.words, vocab.words * 32)
+        allowed = np.flatnonzero(_bits(row)).tolist()
+        if kind == "eos" and vocab.eos in allowed:
+            drafts.append(vocab.eos)
+            break
+        allowed = [t for t in allowed if t != vocab.eos]
+        if (kind == "refused" and len(drafts) == length - 1) or not allowed:
+            refused = np.flatnonzero(_bits(row)[: vocab.size] == 0).tolist()
+            if not refused:
+                break
+            drafts.append(rng.choice(refused))
+            if rng.random() < 0.5 and len(drafts) < K:  # a draft after the refused one
+                drafts.append(rng.randrange(vocab.size))
+            break
+        t = rng.choice(allowed)
+        assert probe.accept_token(t)
+        drafts.append(t)
+    return Request(compiled, prefix), drafts
+
+
+def _bits(row):
+    return (row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)).reshape(-1) & 1
+
+
+def _expected(request, drafts, vocab):
+    """vLLM's rows of one request by fresh-matcher replay: the library's contract per node,
+    then the row before the first refused draft repeated on every later row."""
+    n = len(drafts) + 1
+    next_token = [*range(1, n), -1]
+    rows, live = expected_rows_and_live(
+        request.fresh, next_token, [-1] * n, [0, *drafts], vocab.words * 32, vocab.words
+    )
+    for j in range(1, n):
+        if live[j - 1] and not live[j]:
+            m, refused = request.fresh(), True
+            for t in drafts[:j]:
+                m.accept_token(t)
+            refused = not m.is_terminated()  # a stop token's child is not a refusal
+            if refused:
+                rows[j:] = rows[j - 1]
+            break
+    return rows
+
+
+def _step(rng, vocab, batch, kinds=("valid", "valid", "refused", "eos", "done")):
+    requests, spec, expected = {}, {}, []
+    for i in range(batch):
+        kind = rng.choice(kinds)
+        oracle, drafts = _random_request(rng, vocab, kind)
+        matcher = oracle.fresh()
+        if kind == "done":  # a request whose grammar has ended
+            matcher = Request(vocab.compiler.compile_grammar('root ::= "a"')).fresh()
+            assert matcher.accept_token(vocab.tokens.index("a"))
+            assert matcher.accept_token(vocab.eos) and matcher.is_terminated()
+            oracle = None
+        rid = f"r{i}"
+        requests[rid] = SimpleNamespace(
+            structured_output_request=SimpleNamespace(grammar=XgrammarGrammar(matcher))
+        )
+        if drafts or rng.random() < 0.5:
+            spec[rid] = drafts
+        n = len(drafts) + 1
+        if oracle is None:
+            expected.append(np.full((n, vocab.words), -1, dtype=np.int32))
+        else:
+            expected.append(_expected(oracle, drafts, vocab))
+    return requests, spec, expected
+
+
+def _state(requests, vocab):
+    out = []
+    for r in requests.values():
+        m = r.structured_output_request.grammar.matcher
+        done = m.is_terminated()
+        out.append((done, None if done else fill_row(m, vocab.words, vocab.words * 32)))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["packed", "strided"])
+def test_common_steps_match_replay(smollm2, layout, monkeypatch):
+    """Every common step is written by the one-function path (spied), row for row as the
+    replay says, every matcher back in its state; the rows past a strided request's chain
+    are all-allowed and listed as unwritten."""
+    vocab = smollm2
+    rng = random.Random(f"fast/{layout}")
+    taken = []
+    fast = plugin.fast_rows
+
+    def spy(*args):
+        result = fast(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(plugin, "fast_rows", spy)
+    for _ in range(12):
+        batch = rng.randrange(1, 9)
+        requests, spec, expected = _step(rng, vocab, batch)
+        manager = _manager(vocab.words)
+        ids = list(requests)
+        # the first call learns each matcher's width (the checked path); the second is fast
+        plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+        before = _state(requests, vocab)
+        manager._grammar_bitmask.numpy()[:] = 7  # every row must be written again
+        out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+        assert taken[-1]
+        after = _state(requests, vocab)
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
+        row, unwritten = 0, []
+        for rows in expected:
+            np.testing.assert_array_equal(out[row : row + len(rows)], rows)
+            row += len(rows)
+            if layout == "strided":
+                tail = K + 1 - len(rows)
+                assert (out[row : row + tail] == -1).all()
+                unwritten.extend(range(row, row + tail))
+                row += tail
+        assert len(out) == row
+        assert manager._portable_spec_unwritten == unwritten
+
+
+def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, monkeypatch):
+    """Padding, a reasoning parser, a matcher listed twice, a matcher the library never saw,
+    another backend: the one-function path returns None and no matcher has moved; the
+    checked path then builds the step."""
+    vocab = smollm2
+    rng = random.Random("fast/unusual")
+    requests, spec, _ = _step(rng, vocab, 3, kinds=("valid",))
+    ids = list(requests)
+    manager = _manager(vocab.words)
+    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    buffer = manager._grammar_bitmask.numpy()
+    assert plugin.fast_rows(manager, requests, ids, spec, None, buffer) is not None
+
+    before = _state(requests, vocab)
+    cases = []
+    padded = dict(spec, r2=[*spec.get("r2", [])[:1], -1])
+    cases.append((manager, requests, ids, padded))
+    reasoning = _manager(vocab.words, reasoner=object)
+    reasoning._grammar_bitmask = manager._grammar_bitmask
+    cases.append((reasoning, requests, ids, spec))
+    twice = dict(requests, r3=requests["r0"])
+    cases.append((manager, twice, [*ids, "r3"], spec))
+    unseen = dict(requests, r1=SimpleNamespace(structured_output_request=SimpleNamespace(
+        grammar=XgrammarGrammar(Request(vocab.grammars["regex"]).fresh()))))  # fmt: skip
+    cases.append((manager, unseen, ids, spec))
+    other = dict(requests, r1=SimpleNamespace(structured_output_request=SimpleNamespace(
+        grammar=SimpleNamespace(matcher=requests["r1"].structured_output_request.grammar.matcher))))  # fmt: skip
+    cases.append((manager, other, ids, spec))
+    for case in cases:
+        buffer[:] = 7
+        assert plugin.fast_rows(case[0], case[1], case[2], case[3], None, buffer) is None
+        assert (buffer == 7).all()
+        after = _state(requests, vocab)
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
