@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import portable_spec as ps
 import portable_spec.builder as builder_module
 import portable_spec.small as small_module
+from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
     max_examples=30,
@@ -454,7 +455,7 @@ def test_small_packed_calls_take_the_short_path(smollm2, data, monkeypatch):
     out = np.random.default_rng(3).integers(
         -(2**31), 2**31, size=(int(offsets[-1]), words), dtype=np.int32
     )
-    ps.reset_grammar_stats()
+    reset_grammar_stats()
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
     result = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out, return_valid=True)
     assert taken[-1] == plain
