@@ -19,6 +19,7 @@ hands over their objects (or asks for a backend by name).
 from portable_spec.api import apply_vocab_mask, build_grammar_vocab_mask
 from portable_spec.backend import ArrayInfo, Backend, MaskLayout, StagedArrays
 from portable_spec.builder import build_host_bitmask
+from portable_spec.builder.reasoning import Reasoning
 from portable_spec.drafting import DraftSession, forced_tokens, graft_chain, links_from_parents
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
@@ -26,7 +27,6 @@ from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 from portable_spec.masks import CompactMask
 from portable_spec.pending import PendingMask
 from portable_spec.pool import get_num_threads, set_num_threads
-from portable_spec.reasoning import Reasoning
 from portable_spec.registry import available_backends, backend_for, get_backend, register_backend
 from portable_spec.stats import (
     get_slow_grammar_threshold,

@@ -11,9 +11,16 @@ from typing import Any
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, build_host_bitmask, check_layout, check_vocab_size
-from portable_spec.grammars import words_for
-from portable_spec.masks import CompactMask, compact_views, index_words
+from portable_spec.builder import build_host_bitmask
+from portable_spec.masks import (
+    ALL_ALLOWED,
+    CompactMask,
+    check_layout,
+    check_vocab_size,
+    compact_views,
+    index_words,
+    words_for,
+)
 from portable_spec.pending import start_pending
 from portable_spec.pool import submit
 from portable_spec.registry import backend_for

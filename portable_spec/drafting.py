@@ -40,11 +40,12 @@ import numpy as np
 
 from portable_spec.api import _arrange, _check_capacity, _check_layout
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import ALL_ALLOWED, PARALLEL_MIN_NODES, check_vocab_size
+from portable_spec.builder.jobs import PARALLEL_MIN_NODES
 from portable_spec.draftstates import LIVE, TERMINATED, NodeStates, _ForkStates, node_states
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars, words_for
+from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
+from portable_spec.masks import ALL_ALLOWED, check_vocab_size, words_for
 from portable_spec.pending import check_not_pending
 from portable_spec.pool import WorkItemError, run_indexed
 from portable_spec.registry import backend_for, get_backend
