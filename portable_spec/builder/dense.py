@@ -258,8 +258,8 @@ def _accept_walked(
     parent = np.concatenate(parents)
     at = np.where((parent >= 0) & live[np.where(parent >= 0, parent, 0)], parent, -1)
     flags = accepted_below(mask, at, np.concatenate(tokens), vocab_size)
-    flags[parent < 0] = True
     accepted[rows] = flags
+    accepted[[spans[b][0] for b in requests]] = True  # the roots
 
 
 def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:
