@@ -26,7 +26,7 @@ own and commit after the walks.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -36,6 +36,7 @@ from portable_spec import native
 from portable_spec.builder.jobs import (
     Job,
     Links,
+    Walk,
     accepted_below,
     account,
     fill_llguidance_named,
@@ -153,17 +154,8 @@ class _CompactRows:
     ) -> Job:
         return partial(_xgrammar_job, matcher, links, info, limit, self, b, counts)
 
-    def python_walk(
-        self,
-        b: int,
-        walk: Callable[..., tuple[list[bool], int, int]],
-        matcher: Any,
-        lists: tuple[list[int], list[int], list[int]],
-        info: MatcherInfo,
-        limit: int,
-        counts: Any,
-    ) -> Job:
-        return partial(_walk_job, walk, matcher, lists, info, limit, self, b, counts)
+    def python_walk(self, b: int, walk: Walk, info: MatcherInfo, counts: Any) -> Job:
+        return partial(_walk_job, walk, info, self, b, counts)
 
     def llguidance_chains(
         self, group: dict[int, Any], width: int, draft: np.ndarray, counts: np.ndarray
@@ -201,19 +193,12 @@ def _xgrammar_job(
 
 
 def _walk_job(
-    walk: Callable[..., tuple[list[bool], int, int]],
-    matcher: Any,
-    lists: tuple[list[int], list[int], list[int]],
-    info: MatcherInfo,
-    limit: int,
-    sink: _CompactRows,
-    b: int,
-    counts: np.ndarray,
+    walk: Walk, info: MatcherInfo, sink: _CompactRows, b: int, counts: np.ndarray
 ) -> None:
     """Walk one request with a Python walk (protocol matchers, llguidance trees, outlines-core
     guides) into a scratch block; its filled rows are the kept ones."""
     block = sink.scratch(info.words)
-    filled, counts[0], counts[1] = walk(matcher, *lists, block, limit)
+    filled, counts[0], counts[1] = walk(block)
     kept = np.flatnonzero(filled).astype(np.int32)
     if info.vocab_size % 32 and len(kept):
         # a foreign matcher may leave bits past its vocabulary set; the contract says 0

@@ -11,7 +11,7 @@ are walked).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -23,6 +23,7 @@ from portable_spec.builder import jobs
 from portable_spec.builder.jobs import (
     Job,
     Links,
+    Walk,
     accepted_below,
     account,
     copy_rows,
@@ -140,18 +141,9 @@ class _DenseRows:
         job = partial(_xgrammar_repaired_job, matcher, links, block, info, limit)
         return partial(job, counts, self.root_ok, b, flags)
 
-    def python_walk(
-        self,
-        b: int,
-        walk: Callable[..., tuple[list[bool], int, int]],
-        matcher: Any,
-        lists: tuple[list[int], list[int], list[int]],
-        info: MatcherInfo,
-        limit: int,
-        counts: Any,
-    ) -> Job:
+    def python_walk(self, b: int, walk: Walk, info: MatcherInfo, counts: Any) -> Job:
         block, live = self._rows(b, self.live)
-        return partial(_walk_job, walk, matcher, lists, block, info, limit, counts, live)
+        return partial(_walk_job, walk, block, info, counts, live)
 
     def llguidance_chains(
         self, group: dict[int, Any], width: int, draft: np.ndarray, counts: np.ndarray
@@ -203,20 +195,13 @@ def _xgrammar_repaired_job(
 
 
 def _walk_job(
-    walk: Callable[..., tuple[list[bool], int, int]],
-    matcher: Any,
-    lists: tuple[list[int], list[int], list[int]],
-    block: np.ndarray,
-    info: MatcherInfo,
-    limit: int,
-    counts: np.ndarray,
-    live: np.ndarray | None = None,
+    walk: Walk, block: np.ndarray, info: MatcherInfo, counts: np.ndarray, live: np.ndarray | None
 ) -> None:
     """Walk one request with a Python walk (protocol matchers, llguidance trees, outlines-core
     guides); rows it does not fill become -1; ``live`` (its rows) marks the filled ones."""
     nodes, words = block.shape
     target = block if info.words == words else scratch_rows(nodes, info.words)
-    filled, counts[0], counts[1] = walk(matcher, *lists, target, limit)
+    filled, counts[0], counts[1] = walk(target)
     if live is not None:
         live[:] = filled
     if target is not block:

@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: one request's Python walk, bound to its matcher and links: rows -> (filled, checked, refused)
+Walk = Callable[[np.ndarray], tuple[list[bool], int, int]]
 Job = Callable[[], None]
 
 # Below this many nodes with a grammar, waking pool workers costs more than it saves.
@@ -88,17 +90,10 @@ class RowSink(Protocol):
         its ``(checked, refused)`` into ``counts``), deliver them."""
         ...
 
-    def python_walk(
-        self,
-        b: int,
-        walk: Callable[..., tuple[list[bool], int, int]],
-        matcher: Any,
-        lists: tuple[list[int], list[int], list[int]],
-        info: MatcherInfo,
-        limit: int,
-        counts: Any,
-    ) -> Job:
-        """Walk request ``b`` with a Python walk; its filled rows are the kept ones."""
+    def python_walk(self, b: int, walk: Walk, info: MatcherInfo, counts: Any) -> Job:
+        """Walk request ``b`` with ``walk(rows)`` (a Python walk of its matcher over its
+        links, writing ``rows`` int32 ``[nodes, info.words]``); its filled rows are the kept
+        ones."""
         ...
 
     def llguidance_chains(
@@ -174,8 +169,8 @@ def plan_jobs(
             )
             if kind == OUTLINES:
                 _check_depth(b, lists[0], lists[1], info)
-            walk = _PYTHON_WALKS[kind]
-            walks.append((b, sink.python_walk(b, walk, grammars[b], lists, info, limit, counts[b])))
+            walk = partial(_walk_into, _PYTHON_WALKS[kind], grammars[b], lists, limit)
+            walks.append((b, sink.python_walk(b, walk, info, counts[b])))
             continue
         if b not in splits:
             links = (next_token[b, :n], next_sibling[b, :n], draft[b, :n])
@@ -401,6 +396,17 @@ def _subtree_job(fork: Any, sub: Subtree, block: np.ndarray, info: MatcherInfo, 
         block[sub.nodes, : info.words] = scratch
         if info.words < block.shape[1]:
             block[sub.nodes, info.words :] = 0
+
+
+def _walk_into(
+    walk: Callable[..., tuple[list[bool], int, int]],
+    matcher: Any,
+    lists: tuple[list[int], list[int], list[int]],
+    limit: int,
+    rows: np.ndarray,
+) -> tuple[list[bool], int, int]:
+    """A Python walk of ``matcher`` over ``lists`` (its links and tokens) into ``rows``."""
+    return walk(matcher, *lists, rows, limit)
 
 
 def _walk_requests(walks: list[tuple[int, Job]]) -> None:
