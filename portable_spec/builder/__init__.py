@@ -23,7 +23,7 @@ import numpy as np
 from portable_spec import native as compiled
 from portable_spec.builder.compact import build_compact
 from portable_spec.builder.dense import build_dense
-from portable_spec.builder.jobs import INLINE_CHAIN_NODES, per_node
+from portable_spec.builder.jobs import INLINE_CHAIN_NODES, Build, per_node
 from portable_spec.builder.reasoning import build_with_reasoning, check_reasoning
 from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
@@ -165,15 +165,13 @@ def build_host_bitmask(
     arrays = tree.resolve()
     resolved = perf_counter()
     tree.validate()
-    times = (started, resolved)
+    build = Build(
+        grammars, tree, arrays, tree.spans(), vocab_size, kinds, infos, constrained,
+        return_valid, (started, resolved),
+    )  # fmt: skip
     if layout == "compact":
-        return build_compact(
-            grammars, tree, arrays, vocab_size, kinds, infos, constrained, target, max_rows,
-            return_valid, times,
-        )  # fmt: skip
-    return build_dense(
-        grammars, tree, arrays, vocab_size, kinds, infos, constrained, mask, return_valid, times
-    )
+        return build_compact(build, target, max_rows)
+    return build_dense(build, mask)
 
 
 def _small_chains(

@@ -26,7 +26,6 @@ own and commit after the walks.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -34,23 +33,20 @@ import numpy as np
 
 from portable_spec import native
 from portable_spec.builder.jobs import (
+    Build,
     Job,
     Links,
     Walk,
     accepted_below,
     account,
     fill_llguidance_named,
-    finish_splits,
-    plan_jobs,
-    plan_splits,
-    run_jobs,
+    run_build,
 )
 from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.llguidance import fill_llguidance_chains
 from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.grammars import NONE
 from portable_spec.masks import CompactMask, compact_views, index_words
-from portable_spec.tree import GrammarTree
 
 __all__ = ["build_compact"]
 
@@ -233,57 +229,37 @@ def _llguidance_chains_job(
 
 # -- the build -----------------------------------------------------------------------------------
 def build_compact(
-    grammars: Sequence[Any],
-    tree: GrammarTree,
-    arrays: Links,
-    vocab_size: int,
-    kinds: list[int],
-    infos: list[MatcherInfo | None],
-    constrained: list[int],
-    out: tuple[np.ndarray, np.ndarray] | None,
-    max_rows: int | None,
-    return_valid: bool,
-    times: tuple[float, float],
+    build: Build, out: tuple[np.ndarray, np.ndarray] | None, max_rows: int | None
 ) -> Any:
     """The compact layout of :func:`portable_spec.build_host_bitmask`, called by it once every
     argument is checked (``out``: the checked ``(rows, bits)`` arrays of an ``out=``
-    CompactMask, or None), the tree resolved (``arrays``: its int64 ``[batch, nodes]`` links
-    and tokens) and validated, and at least one request is constrained.
+    CompactMask, or None), the tree resolved and validated (``build``), and at least one
+    request is constrained.
 
     Returns a host :class:`CompactMask` (views of ``out``'s arrays if given): ``count`` real
     entries (``rows`` ascending, ``b * nodes + j``), then, with ``max_rows``, padding up to
     ``max_rows`` entries (row index ``batch * nodes``, bits not written). With
-    ``return_valid``, ``(mask, valid)`` as for the dense layout. ``times``: ``(started,
-    resolved)`` perf_counter seconds, for the statistics. Blocks until done.
+    ``build.return_valid``, ``(mask, valid)`` as for the dense layout. Blocks until done.
 
     Raises:
         ValueError: more than ``max_rows`` rows listed (after the walks; every matcher is back
             in its state).
     """
-    words = (vocab_size + 31) // 32
-    batch, nodes = tree.batch, tree.nodes
-    num_rows = batch * nodes
-    capacity = len(constrained) * nodes if max_rows is None else max_rows
+    words = (build.vocab_size + 31) // 32
+    tree = build.tree
+    nodes = tree.nodes
+    num_rows = tree.batch * nodes
+    capacity = len(build.constrained) * nodes if max_rows is None else max_rows
     if out is not None:
         rows_out, bits_out = out
     else:
         block = np.empty((capacity + index_words(capacity, words), words), dtype=np.int32)
         rows_out, bits_out = compact_views(block, capacity)
-
-    root_ok = np.ones(batch, dtype=bool)
-    counts = np.zeros((batch, 2), dtype=np.int64)
-    sink = _CompactRows(
-        bits_out, rows_out, constrained, nodes, min(capacity, bits_out.shape[0]), vocab_size
-    )
-    splits = plan_splits(kinds, constrained, tree, arrays, grammars)
-    job_list, owners, parallel = plan_jobs(
-        sink, grammars, kinds, infos, arrays, tree.spans(), counts, root_ok, splits, vocab_size,
-        tree.is_chain,
-    )  # fmt: skip
-    seconds = run_jobs(job_list, owners, parallel)
-    finish_splits(sink, splits, infos, arrays, counts, root_ok, vocab_size)
+    room = min(capacity, bits_out.shape[0])
+    sink = _CompactRows(bits_out, rows_out, build.constrained, nodes, room, build.vocab_size)
+    owners, seconds, counts = run_build(sink, build)
     count = sink.finish()
-    account(constrained, owners, seconds, counts, count, times)
+    account(build.constrained, owners, seconds, counts, count, build.times)
     if max_rows is not None and count > max_rows:
         raise ValueError(
             f"the build lists {count} rows (accepted, non-terminated nodes of constrained "
@@ -291,8 +267,8 @@ def build_compact(
             f"{num_rows} can be needed). Every matcher is back in its state."
         )
     valid = None
-    if return_valid:
-        valid = _valid_nodes(rows_out[:count], bits_out[:count], tree, arrays[2], kinds, vocab_size)
+    if build.return_valid:
+        valid = _valid_nodes(rows_out[:count], bits_out[:count], build)
     if max_rows is None:
         mask = CompactMask(rows_out[:count], bits_out[:count], num_rows, count)
     else:
@@ -301,18 +277,12 @@ def build_compact(
     return mask if valid is None else (mask, valid)
 
 
-def _valid_nodes(
-    listed: np.ndarray,
-    bits: np.ndarray,
-    tree: GrammarTree,
-    draft: np.ndarray,
-    kinds: list[int],
-    vocab_size: int,
-) -> np.ndarray:
+def _valid_nodes(listed: np.ndarray, bits: np.ndarray, build: Build) -> np.ndarray:
     """bool ``[batch, nodes]``: the accepted nodes (the dense build's ``return_valid`` rule),
     read off the compact entries: a node is accepted when it is a root, or its parent is
     listed and the parent's row allows its token; unconstrained requests accept every node a
     link reaches."""
+    tree = build.tree
     batch, nodes = tree.batch, tree.nodes
     total = batch * nodes
     topology = tree.topology()
@@ -320,8 +290,8 @@ def _valid_nodes(
     entry = np.full(total + 1, -1, dtype=np.int64)  # listed row -> its entry; else -1
     entry[listed] = np.arange(len(listed))
     at = entry[np.where(parent >= 0, parent, total)]
-    valid = accepted_below(bits, at, draft.reshape(-1), vocab_size)
+    valid = accepted_below(bits, at, build.arrays[2].reshape(-1), build.vocab_size)
     valid[::nodes] = True
-    unconstrained = np.repeat(np.asarray(kinds) == NONE, nodes)
+    unconstrained = np.repeat(np.asarray(build.kinds) == NONE, nodes)
     valid[unconstrained] = topology.reachable[unconstrained]
     return valid.reshape(batch, nodes)

@@ -11,7 +11,6 @@ are walked).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 from portable_spec import native
 from portable_spec.builder import jobs
 from portable_spec.builder.jobs import (
+    Build,
     Job,
     Links,
     Walk,
@@ -28,10 +28,7 @@ from portable_spec.builder.jobs import (
     account,
     copy_rows,
     fill_llguidance_named,
-    finish_splits,
-    plan_jobs,
-    plan_splits,
-    run_jobs,
+    run_build,
     scratch_rows,
 )
 from portable_spec.engines.base import MatcherInfo
@@ -41,63 +38,38 @@ from portable_spec.errors import MatcherError
 from portable_spec.grammars import NONE, XGRAMMAR
 from portable_spec.masks import ALL_ALLOWED
 from portable_spec.stats import record_build
-from portable_spec.tree import GrammarTree
 
 __all__ = ["build_dense"]
 
 
-def build_dense(
-    grammars: Sequence[Any],
-    tree: GrammarTree,
-    arrays: Links,
-    vocab_size: int,
-    kinds: list[int],
-    infos: list[MatcherInfo | None],
-    constrained: list[int],
-    mask: np.ndarray,
-    return_valid: bool,
-    times: tuple[float, float],
-) -> Any:
+def build_dense(build: Build, mask: np.ndarray) -> Any:
     """The dense layout of :func:`portable_spec.build_host_bitmask`, called by it once every
-    argument is checked, the tree resolved (``arrays``: its int64 ``[batch, nodes]`` links and
-    tokens) and validated, and at least one request is constrained.
+    argument is checked, the tree resolved and validated (``build``), and at least one
+    request is constrained.
 
     Writes every row of ``mask`` (int32 ``[rows, words]``, C-contiguous) and returns it, or
-    ``(mask, valid)`` with ``return_valid`` (bool ``[batch, nodes]``; ``[rows]`` for packed
-    chains). ``times``: ``(started, resolved)`` perf_counter seconds, for the statistics.
-    Blocks until every row is written; every matcher ends where it started.
+    ``(mask, valid)`` with ``build.return_valid`` (bool ``[batch, nodes]``; ``[rows]`` for
+    packed chains). Blocks until every row is written; every matcher ends where it started.
     """
-    if _inline(kinds, constrained, tree, return_valid):
-        return _build_inline(
-            grammars, kinds, infos, tree, arrays, mask, vocab_size, return_valid, times
-        )
-    batch, nodes = tree.batch, tree.nodes
-    rows = tree.rows
-    spans = tree.spans()
+    if _inline(build):
+        return _build_inline(build, mask)
+    tree, kinds = build.tree, build.kinds
+    batch, nodes, rows = tree.batch, tree.nodes, tree.rows
     chains = tree.is_chain or tree.is_packed
-    counts = np.zeros((batch, 2), dtype=np.int64)  # per request: draft nodes checked, refused
-    root_ok = np.ones(batch, dtype=bool)
-    splits = plan_splits(kinds, constrained, tree, arrays, grammars)
     accepted = live = None
-    if return_valid:
+    if build.return_valid:
         accepted = np.zeros(rows, dtype=bool)
         if any(kind not in (XGRAMMAR, NONE) for kind in kinds):
             live = np.zeros(rows, dtype=bool)
-    sink = _DenseRows(
-        mask, spans, root_ok, vocab_size, accepted if chains else None, accepted, live
-    )
-    job_list, owners, parallel = plan_jobs(
-        sink, grammars, kinds, infos, arrays, spans, counts, root_ok, splits, vocab_size,
-        tree.is_chain,
-    )  # fmt: skip
-    seconds = run_jobs(job_list, owners, parallel)
-    finish_splits(sink, splits, infos, arrays, counts, root_ok, vocab_size)
-    account(constrained, owners, seconds, counts, rows, times)
+    flags = accepted if chains else None
+    sink = _DenseRows(mask, build.spans, build.vocab_size, flags, accepted, live)
+    owners, seconds, counts = run_build(sink, build)
+    account(build.constrained, owners, seconds, counts, rows, build.times)
     if accepted is None:
         return mask
     if live is not None:
         walked = [b for b, kind in enumerate(kinds) if kind not in (XGRAMMAR, NONE)]
-        _accept_walked(mask, tree, arrays, spans, walked, live, accepted, vocab_size)
+        _accept_walked(mask, build, walked, live, accepted)
     if not chains:
         unconstrained = np.repeat(np.asarray(kinds) == NONE, nodes)
         if unconstrained.any():
@@ -115,13 +87,12 @@ class _DenseRows:
         self,
         mask: np.ndarray,
         spans: list[tuple[int, int]],
-        root_ok: np.ndarray,
         vocab_size: int,
         unconstrained_flags: np.ndarray | None,
         accepted: np.ndarray | None,
         live: np.ndarray | None,
     ) -> None:
-        self.mask, self.spans, self.root_ok, self.vocab_size = mask, spans, root_ok, vocab_size
+        self.mask, self.spans, self.vocab_size = mask, spans, vocab_size
         self.unconstrained_flags, self.accepted, self.live = unconstrained_flags, accepted, live
 
     def _rows(self, b: int, flags: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -138,8 +109,7 @@ class _DenseRows:
         self, b: int, matcher: Any, links: Links, info: MatcherInfo, limit: int, counts: Any
     ) -> Job:
         block, flags = self._rows(b, self.accepted)
-        job = partial(_xgrammar_repaired_job, matcher, links, block, info, limit)
-        return partial(job, counts, self.root_ok, b, flags)
+        return partial(_xgrammar_repaired_job, matcher, links, block, info, limit, counts, flags)
 
     def python_walk(self, b: int, walk: Walk, info: MatcherInfo, counts: Any) -> Job:
         block, live = self._rows(b, self.live)
@@ -177,16 +147,14 @@ def _xgrammar_repaired_job(
     info: MatcherInfo,
     limit: int,
     counts: np.ndarray,
-    root_ok: np.ndarray,
-    b: int,
-    accepted: np.ndarray | None = None,
+    accepted: np.ndarray | None,
 ) -> None:
     """Walk one request with xgrammar's C++ traversal, then repair its rows in place (both
     release the GIL with the compiled helper); store its (checked, refused) node counts, and
     which nodes the grammar accepts into ``accepted`` (its ``[nodes]`` flags) if given."""
     nodes, words = block.shape
     target = block if info.words == words else scratch_rows(nodes, info.words)
-    live = root_ok[b] = walk_xgrammar(matcher, *links, target)
+    live = walk_xgrammar(matcher, *links, target)
     if target is not block:
         copy_rows(block, target, info.words, None)
     counts[0], counts[1] = native.repair_rows(
@@ -213,19 +181,12 @@ def _walk_job(
 
 
 def _accept_walked(
-    mask: np.ndarray,
-    tree: GrammarTree,
-    arrays: Links,
-    spans: list[tuple[int, int]],
-    requests: list[int],
-    live: np.ndarray,
-    accepted: np.ndarray,
-    vocab_size: int,
+    mask: np.ndarray, build: Build, requests: list[int], live: np.ndarray, accepted: np.ndarray
 ) -> None:
     """The valid flags of the requests walked in Python (and llguidance chains), read off
     their finished rows: a node is accepted when it is a root, or its parent is live and the
     parent's row allows its token (``live``: flat bool ``[rows]``, the rows they filled)."""
-    draft = arrays[2]
+    tree, spans, draft = build.tree, build.spans, build.arrays[2]
     parent_of = None if tree.is_chain or tree.is_packed else tree.topology().parent
     rows_list, parents, tokens = [], [], []
     for b in requests:
@@ -242,53 +203,45 @@ def _accept_walked(
     rows = np.concatenate(rows_list)
     parent = np.concatenate(parents)
     at = np.where((parent >= 0) & live[np.where(parent >= 0, parent, 0)], parent, -1)
-    flags = accepted_below(mask, at, np.concatenate(tokens), vocab_size)
+    flags = accepted_below(mask, at, np.concatenate(tokens), build.vocab_size)
     accepted[rows] = flags
     accepted[[spans[b][0] for b in requests]] = True  # the roots
 
 
-def _inline(kinds: list[int], constrained: list[int], tree: GrammarTree, valid: bool) -> bool:
+def _inline(build: Build) -> bool:
     """Whether a build is small and simple enough for :func:`_build_inline`: few rows or
     short chains (no pool), no tree big enough to split, xgrammar requests only (and
     unconstrained ones, on chains when the valid flags are asked for)."""
+    tree = build.tree
     if tree.nodes >= jobs.SPLIT_MIN_NODES:
         return False
     chains = tree.is_chain or tree.is_packed
     limit = jobs.PARALLEL_MIN_NODES
     if chains and tree.nodes <= jobs.INLINE_CHAIN_NODES:
         limit *= jobs.SHORT_CHAIN_FACTOR
-    if len(constrained) * tree.nodes >= limit:
+    if len(build.constrained) * tree.nodes >= limit:
         return False
-    allowed = (XGRAMMAR, NONE) if chains or not valid else (XGRAMMAR,)
-    return set(kinds).issubset(allowed)
+    allowed = (XGRAMMAR, NONE) if chains or not build.return_valid else (XGRAMMAR,)
+    return set(build.kinds).issubset(allowed)
 
 
-def _build_inline(
-    grammars: Sequence[Any],
-    kinds: list[int],
-    infos: list[MatcherInfo | None],
-    tree: GrammarTree,
-    arrays: Links,
-    mask: np.ndarray,
-    vocab_size: int,
-    return_valid: bool,
-    times: tuple[float, float],
-) -> Any:
+def _build_inline(build: Build, mask: np.ndarray) -> Any:
     """The build of a small batch of xgrammar requests on the calling thread, request after
     request: the C++ traversal, then the repair writing the counts and valid flags (both
     release the GIL with the compiled helper); no job objects, no pool, no pass over the mask
     afterwards. Same result, checks and accounting as the general path."""
-    next_token, next_sibling, draft = arrays
-    started, resolved = times
-    spans = tree.spans()
-    accepted = np.empty(tree.rows, dtype=bool) if return_valid else None
+    grammars, tree, infos, spans = build.grammars, build.tree, build.infos, build.spans
+    next_token, next_sibling, draft = build.arrays
+    vocab_size = build.vocab_size
+    started, resolved = build.times
+    accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
     repair = native.repair_rows
     words = mask.shape[1]
     walks = []
     checked = rejected = 0
     full = tree.nodes
     began = perf_counter()
-    for b, kind in enumerate(kinds):
+    for b, kind in enumerate(build.kinds):
         start, n = spans[b]
         block = mask[start : start + n]
         flags = None if accepted is None else accepted[start : start + n]

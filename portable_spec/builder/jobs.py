@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
 from typing import Any, Protocol
@@ -38,11 +39,13 @@ __all__ = [
     "SHORT_CHAIN_FACTOR",
     "SPLIT_MIN_NODES",
     "SPLIT_MIN_PART",
+    "Build",
     "RowSink",
     "accepted_below",
     "account",
     "per_node",
     "plan_jobs",
+    "run_build",
     "run_jobs",
 ]
 
@@ -115,29 +118,74 @@ class RowSink(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Build:
+    """One build's inputs once the front has checked them all, resolved and validated the
+    tree: what every layout's build starts from.
+
+    Attributes:
+        grammars: one matcher (or None) per request.
+        tree: the verify trees; ``arrays`` its resolved int64 ``[batch, nodes]`` first-child,
+            next-sibling and token arrays, ``spans`` its ``(first row, nodes)`` per request.
+        vocab_size: the model's vocabulary size.
+        kinds, infos: per request, the engine kind and its probe (``grammars.classify``).
+        constrained: the requests with a grammar (at least one).
+        return_valid: whether the valid flags are asked for.
+        times: ``(started, resolved)`` perf_counter seconds, for the statistics.
+    """
+
+    grammars: Sequence[Any]
+    tree: GrammarTree
+    arrays: Links
+    spans: list[tuple[int, int]]
+    vocab_size: int
+    kinds: list[int]
+    infos: list[MatcherInfo | None]
+    constrained: list[int]
+    return_valid: bool
+    times: tuple[float, float]
+
+
+def run_build(sink: RowSink, build: Build) -> tuple[list[int], list[float], np.ndarray]:
+    """Plan the jobs of ``build`` over ``sink``, run them (on the pool when worth it), then
+    finish the split requests. Returns the owners and seconds of the jobs (for
+    :func:`account`) and the int64 ``[batch, 2]`` ``(checked, refused)`` counts. Blocks until
+    every row is delivered; a failing matcher raises :class:`MatcherError` naming its
+    request, every matcher back in its state."""
+    batch = build.tree.batch
+    counts = np.zeros((batch, 2), dtype=np.int64)
+    root_ok = np.ones(batch, dtype=bool)  # split requests: was the matcher live at the root
+    splits = plan_splits(build)
+    jobs, owners, parallel = plan_jobs(sink, build, counts, root_ok, splits)
+    seconds = run_jobs(jobs, owners, parallel)
+    next_token, next_sibling, draft = build.arrays
+    for b in sorted(splits):  # walked in pieces: decide and deliver over the whole tree now
+        info: MatcherInfo = build.infos[b]  # type: ignore[assignment]
+        links = (next_token[b], next_sibling[b], draft[b])
+        limit = min(build.vocab_size, info.vocab_size)
+        counts[b] = sink.finish_split(b, links, info, limit, int(root_ok[b]))
+    return owners, seconds, counts
+
+
 def plan_jobs(
     sink: RowSink,
-    grammars: Sequence[Any],
-    kinds: list[int],
-    infos: list[MatcherInfo | None],
-    arrays: Links,
-    spans: list[tuple[int, int]],
+    build: Build,
     counts: np.ndarray,
     root_ok: np.ndarray,
     splits: dict[int, tuple[Split, list[Any]]],
-    vocab_size: int,
-    chains: bool,
 ) -> tuple[list[Job], list[int], bool]:
     """The jobs of one build, the (first) request of each, and whether to run them on the
     pool.
 
-    ``arrays``: the resolved int64 ``[batch, nodes]`` links and tokens; ``counts`` int64
-    ``[batch, 2]`` receives each request's ``(checked, refused)`` draft nodes (split requests:
-    after the walks, see :func:`finish_splits`); ``root_ok`` bool ``[batch]`` receives whether
-    each split request's matcher was live at the root; ``splits`` from :func:`plan_splits`;
-    ``chains``: every request is a linear chain (llguidance then fills them in one call).
+    ``counts`` int64 ``[batch, 2]`` receives each request's ``(checked, refused)`` draft
+    nodes (split requests: after the walks, see :func:`run_build`); ``root_ok`` bool
+    ``[batch]`` receives whether each split request's matcher was live at the root;
+    ``splits`` from :func:`plan_splits`. On linear chains llguidance requests are filled in
+    one executor call per width.
     """
-    next_token, next_sibling, draft = arrays
+    grammars, kinds, infos, spans = build.grammars, build.kinds, build.infos, build.spans
+    vocab_size, chains = build.vocab_size, build.tree.is_chain
+    next_token, next_sibling, draft = build.arrays
     jobs: list[Job] = []
     owners: list[int] = []
     walks: list[tuple[int, Job]] = []  # Python walks: they hold the GIL
@@ -192,38 +240,14 @@ def plan_jobs(
     return jobs, owners, parallel
 
 
-def finish_splits(
-    sink: RowSink,
-    splits: dict[int, Any],
-    infos: list[MatcherInfo | None],
-    arrays: Links,
-    counts: np.ndarray,
-    root_ok: np.ndarray,
-    vocab_size: int,
-) -> None:
-    """After the jobs: decide and deliver the rows of each split request (in request order),
-    over its whole tree."""
-    next_token, next_sibling, draft = arrays
-    for b in sorted(splits):
-        info: MatcherInfo = infos[b]  # type: ignore[assignment]
-        links = (next_token[b], next_sibling[b], draft[b])
-        limit = min(vocab_size, info.vocab_size)
-        counts[b] = sink.finish_split(b, links, info, limit, int(root_ok[b]))
-
-
-def plan_splits(
-    kinds: list[int],
-    constrained: list[int],
-    tree: GrammarTree,
-    arrays: Links,
-    grammars: Sequence[Any],
-) -> dict[int, tuple[Split, list[Any]]]:
+def plan_splits(build: Build) -> dict[int, tuple[Split, list[Any]]]:
     """Cut large xgrammar trees into subtrees when there are fewer requests than threads.
 
     Each request gets about ``threads / requests`` pieces. Returns, per split request, the
     split and one fork of the matcher per subtree, taken now, before any walk moves the
     matcher. Packed chains are never split.
     """
+    tree, constrained = build.tree, build.constrained
     if tree.is_packed or tree.nodes < SPLIT_MIN_NODES:
         return {}
     threads = get_num_threads()
@@ -232,15 +256,15 @@ def plan_splits(
     parts = threads // len(constrained)
     if parts < 2:
         return {}
-    next_token, next_sibling, draft = arrays
+    next_token, next_sibling, draft = build.arrays
     plans = {}
     for b in constrained:
-        if kinds[b] != XGRAMMAR:
+        if build.kinds[b] != XGRAMMAR:
             continue
         nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
         split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART)
         if split is not None:
-            plans[b] = (split, [grammars[b].fork() for _ in split.subtrees])
+            plans[b] = (split, [build.grammars[b].fork() for _ in split.subtrees])
     return plans
 
 
