@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+import portable_spec.builder.jobs as jobs
 from portable_spec import native
-from portable_spec.builder import jobs
 from portable_spec.builder.jobs import (
     Build,
     Job,
