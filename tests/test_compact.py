@@ -300,6 +300,12 @@ def test_keep_rows_agrees_with_the_dense_repair(monkeypatch):
         assert native_kept is not None
         assert native_kept[0].tolist() == kept.tolist()
         assert native_kept[1:] == fallback[1:]
+        raw = rows.copy()  # the compiled repair itself: kept rows counted, same counts
+        assert compiled.repair_rows(raw, nt, ns, dt, limit, stops, root) == (
+            len(kept),
+            *fallback[1:],
+        )
+        np.testing.assert_array_equal(raw, repaired["native"][0])
         np.testing.assert_array_equal(repaired["native"][0], repaired["python"][0])
         np.testing.assert_array_equal(repaired["native"][1], repaired["python"][1])
 
