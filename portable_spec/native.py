@@ -11,6 +11,7 @@ entry              what it does (one request's first-child / next-sibling links)
 =================  ==========================================================================
 links_valid        True when the links of a whole batch are known to be well formed
 repair_rows        after a walk: keep the rows of accepted, live nodes, -1 into the others
+                   (``row_repairer``: the same, taken once for a loop over requests)
 keep_rows          the same decision without writes: the kept nodes, ascending
 take_rows          copy the listed rows out (and number them), for the compact layout
 =================  ==========================================================================
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
 
-__all__ = ["keep_rows", "links_valid", "native", "repair_rows", "take_rows"]
+__all__ = ["keep_rows", "links_valid", "native", "repair_rows", "row_repairer", "take_rows"]
 
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -80,20 +82,44 @@ def repair_rows(
     grammar accepts: the root, and each child of a kept node whose token is in range with its
     bit set (stop tokens included). Blocks until done (GIL released in the compiled helper).
     """
+    repair = row_repairer(valid is not None)
+    if valid is None:
+        _, checked, refused = repair(rows, *links, limit, stop_ids, root_state)
+    else:
+        _, checked, refused = repair(rows, *links, limit, stop_ids, root_state, valid)
+    return checked, refused
+
+
+def row_repairer(valid: bool) -> Callable[..., tuple[int, int, int]]:
+    """The implementation behind :func:`repair_rows`, for a loop over requests that calls it
+    many times: ``repair(rows, next_token, next_sibling, draft, limit, stop_ids, root_state[,
+    valid]) -> (kept, checked, refused)`` (``kept``: rows kept). ``valid``: whether the
+    calls pass the ``valid`` output (a compiled helper older than these sources does not
+    take it; the numpy/Python implementation answers then). Take it once per build: a
+    later switch of :data:`native` is not seen by a function already taken."""
     helper = native
-    if helper is not None and (valid is None or getattr(helper, "REPAIR_VALID", 0)):
-        if valid is None:
-            _, checked, refused = helper.repair_rows(rows, *links, limit, stop_ids, root_state)
-        else:
-            _, checked, refused = helper.repair_rows(
-                rows, *links, limit, stop_ids, root_state, valid
-            )
-        return checked, refused
+    if helper is not None and (not valid or getattr(helper, "REPAIR_VALID", 0)):
+        return helper.repair_rows  # type: ignore[no-any-return]
+    return _repair_rows_python
+
+
+def _repair_rows_python(
+    rows: np.ndarray,
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    limit: int,
+    stop_ids: np.ndarray,
+    root_state: int,
+    valid: np.ndarray | None = None,
+) -> tuple[int, int, int]:
+    """:func:`row_repairer`'s numpy/Python implementation (the compiled helper's signature)."""
+    links = (next_token, next_sibling, draft)
     keep, checked, refused = _decide(rows, links, limit, stop_ids, root_state, valid)
     drop = np.flatnonzero(~keep)
     if drop.size:
         rows[drop] = -1
-    return checked, refused
+    return len(keep) - len(drop), checked, refused
 
 
 def keep_rows(

@@ -11,6 +11,7 @@ are walked).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -93,6 +94,7 @@ class _DenseRows:
         live: np.ndarray | None,
     ) -> None:
         self.mask, self.spans, self.vocab_size = mask, spans, vocab_size
+        self.repair = native.row_repairer(accepted is not None)  # taken once per build
         self.unconstrained_flags, self.accepted, self.live = unconstrained_flags, accepted, live
 
     def _rows(self, b: int, flags: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -109,7 +111,8 @@ class _DenseRows:
         self, b: int, matcher: Any, links: Links, info: MatcherInfo, limit: int, counts: Any
     ) -> Job:
         block, flags = self._rows(b, self.accepted)
-        return partial(_xgrammar_repaired_job, matcher, links, block, info, limit, counts, flags)
+        job = partial(_xgrammar_repaired_job, self.repair, matcher, links, block, info, limit)
+        return partial(job, counts, flags)
 
     def python_walk(self, b: int, walk: Walk, info: MatcherInfo, counts: Any) -> Job:
         block, live = self._rows(b, self.live)
@@ -141,6 +144,7 @@ def _allow_all(block: np.ndarray, accepted: np.ndarray) -> None:
 
 
 def _xgrammar_repaired_job(
+    repair: Callable[..., tuple[int, int, int]],
     matcher: Any,
     links: Links,
     block: np.ndarray,
@@ -149,17 +153,19 @@ def _xgrammar_repaired_job(
     counts: np.ndarray,
     accepted: np.ndarray | None,
 ) -> None:
-    """Walk one request with xgrammar's C++ traversal, then repair its rows in place (both
-    release the GIL with the compiled helper); store its (checked, refused) node counts, and
+    """Walk one request with xgrammar's C++ traversal, then repair its rows in place with
+    ``repair`` (:func:`portable_spec.native.row_repairer`; both release the GIL with the
+    compiled helper); store its (checked, refused) node counts, and
     which nodes the grammar accepts into ``accepted`` (its ``[nodes]`` flags) if given."""
     nodes, words = block.shape
     target = block if info.words == words else scratch_rows(nodes, info.words)
     live = walk_xgrammar(matcher, *links, target)
     if target is not block:
         copy_rows(block, target, info.words, None)
-    counts[0], counts[1] = native.repair_rows(
-        block, links, limit, info.stop_ids, int(live), accepted
-    )
+    if accepted is None:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live))
+    else:
+        _, counts[0], counts[1] = repair(block, *links, limit, info.stop_ids, int(live), accepted)
 
 
 def _walk_job(
@@ -235,7 +241,7 @@ def _build_inline(build: Build, mask: np.ndarray) -> Any:
     vocab_size = build.vocab_size
     started, resolved = build.times
     accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
-    repair = native.repair_rows
+    repair = native.row_repairer(accepted is not None)
     words = mask.shape[1]
     walks = []
     checked = rejected = 0
@@ -252,16 +258,19 @@ def _build_inline(build: Build, mask: np.ndarray) -> Any:
             continue
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         if n == full:
-            links = (next_token[b], next_sibling[b], draft[b])
+            nt, ns, dt = next_token[b], next_sibling[b], draft[b]
         else:
-            links = (next_token[b, :n], next_sibling[b, :n], draft[b, :n])
+            nt, ns, dt = next_token[b, :n], next_sibling[b, :n], draft[b, :n]
         try:
             target = block if info.words == words else scratch_rows(n, info.words)
-            live = int(walk_xgrammar(grammars[b], *links, target))
+            live = int(walk_xgrammar(grammars[b], nt, ns, dt, target))
             if target is not block:
                 copy_rows(block, target, info.words, None)
             limit = min(vocab_size, info.vocab_size)
-            c, r = repair(block, links, limit, info.stop_ids, live, flags)
+            if flags is None:
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live)
+            else:
+                _, c, r = repair(block, nt, ns, dt, limit, info.stop_ids, live, flags)
         except BaseException as exc:
             raise MatcherError(b, exc) from exc
         checked += c

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -118,8 +117,7 @@ class RowSink(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Build:
+class Build(NamedTuple):
     """One build's inputs once the front has checked them all, resolved and validated the
     tree: what every layout's build starts from.
 
