@@ -24,13 +24,13 @@ The machinery behind these names is importable from its own module: writing a ba
 
 from portable_spec.api import apply_vocab_mask, build_grammar_vocab_mask
 from portable_spec.builder import build_host_bitmask
+from portable_spec.builder.reasoning import Reasoning
 from portable_spec.drafting import DraftSession
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
 from portable_spec.masks import CompactMask
 from portable_spec.pending import PendingMask
 from portable_spec.pool import get_num_threads, set_num_threads
-from portable_spec.reasoning import Reasoning
 from portable_spec.registry import available_backends, get_backend, register_backend
 from portable_spec.stats import grammar_stats
 from portable_spec.tree import GrammarTree

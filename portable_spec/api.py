@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import build_host_bitmask, check_layout, check_vocab_size
+from portable_spec.builder import build_host_bitmask
 from portable_spec.delivery import (
     compact_rows,
     deliver,
@@ -19,9 +19,14 @@ from portable_spec.delivery import (
     settle_compact,
     settle_dense,
 )
-from portable_spec.grammars import words_for
 from portable_spec.hostbuffers import HostBuffer
-from portable_spec.masks import CompactMask, compact_views
+from portable_spec.masks import (
+    CompactMask,
+    check_layout,
+    check_vocab_size,
+    compact_views,
+    words_for,
+)
 from portable_spec.pending import start_pending
 from portable_spec.pool import submit
 from portable_spec.registry import backend_for

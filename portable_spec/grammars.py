@@ -30,17 +30,13 @@ from portable_spec.engines.llguidance import check_llmatcher, is_llmatcher, prob
 from portable_spec.engines.outlines import is_guide, probe_outlines
 from portable_spec.engines.xgrammar import probe_xgrammar
 from portable_spec.errors import MatcherError
+from portable_spec.masks import words_for
 
-__all__ = ["GrammarMatcherLike", "MatcherInfo", "classify_grammars", "words_for"]
+__all__ = ["GrammarMatcherLike", "MatcherInfo", "classify_grammars"]
 
 PROTOCOL_METHODS = ("accept_token", "rollback", "fill_next_token_bitmask", "is_terminated")
 
 NONE, XGRAMMAR, GENERIC, LLGUIDANCE, OUTLINES = 0, 1, 2, 3, 4
-
-
-def words_for(vocab_size: int) -> int:
-    """Number of int32 words in one bitmask row covering ``vocab_size`` tokens."""
-    return (vocab_size + 31) // 32
 
 
 @runtime_checkable

@@ -18,27 +18,95 @@ increasing over the real entries.
 This module is numpy-only; the arrays can be any framework's (numpy on the host, torch tensors
 or ``jax.Array`` on a device). A ``CompactMask`` of JAX arrays is a pytree (``rows`` and ``bits``
 are its leaves, ``num_rows`` is static), so it passes into ``jax.jit``.
+
+It also holds the rest of the mask format, in one place: :data:`ALL_ALLOWED` (the row value
+that constrains nothing), :func:`words_for` (words per row), the :data:`LAYOUTS`, and the
+checks of the arguments that describe a mask (``vocab_size``, ``layout``/``max_rows``, an
+``out=`` buffer of either layout).
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import suppress
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
 __all__ = [
     "ALL_ALLOWED",
+    "LAYOUTS",
     "CompactMask",
     "apply_columns",
+    "check_compact_out",
+    "check_dense_out",
+    "check_layout",
+    "check_vocab_size",
     "compact_views",
     "index_words",
     "rebase_compact",
+    "words_for",
 ]
 
-#: the value of an all-allowed int32 mask word (every bit set)
+#: the value of every word of a row that constrains nothing (all 32 bits set)
 ALL_ALLOWED = -1
+
+#: mask layouts: one row per node, or only the rows that constrain something (CompactMask)
+LAYOUTS = ("dense", "compact")
+
+
+def words_for(vocab_size: int) -> int:
+    """Number of int32 words in one bitmask row covering ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def check_vocab_size(vocab_size: Any) -> int:
+    """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
+    if type(vocab_size) is int and vocab_size > 0:  # the common case, without an ABC check
+        return vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    vocab_size = int(vocab_size)
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return vocab_size
+
+
+def check_layout(layout: Any, max_rows: Any) -> int | None:
+    """Validate ``layout`` and ``max_rows`` (compact only: a non-negative int or None); return
+    ``max_rows`` as an int or None."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if max_rows is None:
+        return None
+    if layout != "compact":
+        raise ValueError("max_rows bounds a compact mask; it needs layout='compact'")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, Integral):
+        raise TypeError(f"max_rows must be an int, got {type(max_rows).__name__}")
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    return int(max_rows)
+
+
+def check_dense_out(out: Any, rows: int, words: int) -> np.ndarray:
+    """An ``out=`` buffer of the dense layout, checked: a writable C-contiguous numpy int32
+    ``[rows, words]`` array (returned as is); ``TypeError``/``ValueError`` otherwise."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy int32 array, got {type(out).__name__}")
+    if out.dtype != np.int32:
+        raise TypeError(f"out must have dtype int32, got {out.dtype}")
+    if out.shape != (rows, words):
+        raise ValueError(
+            f"out must have shape ({rows}, {words}) (batch * nodes, ceil(vocab_size / 32)), "
+            f"got {out.shape}"
+        )
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous (rows are handed to C++ as flat memory)")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    return out
+
 
 _INT32 = np.dtype(np.int32)
 
@@ -123,7 +191,7 @@ class CompactMask:
             raise TypeError(
                 f"to_dense reads the mask on the host; bring its arrays there first ({exc})"
             ) from exc
-        dense = np.full((self.num_rows, bits.shape[1]), -1, dtype=np.int32)
+        dense = np.full((self.num_rows, bits.shape[1]), ALL_ALLOWED, dtype=np.int32)
         real = rows < self.num_rows
         dense[rows[real]] = bits[real]
         return dense
@@ -171,6 +239,30 @@ def apply_columns(width: int, words: int | None, vocab_size: Any) -> tuple[int, 
         )
     covered = 0 if words is None else min(width, vocab_size)
     return covered, (vocab_size if vocab_size < width else None)
+
+
+def check_compact_out(out: Any, capacity: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(rows, bits)`` arrays of an ``out=`` CompactMask, checked: numpy int32, ``rows``
+    ``[C]`` and ``bits`` C-contiguous ``[C, words]`` with ``C >= capacity``, writable."""
+    if not isinstance(out, CompactMask):
+        raise TypeError(
+            f"out must be a portable_spec.CompactMask of numpy arrays for layout='compact', "
+            f"got {type(out).__name__}"
+        )
+    rows, bits = out.rows, out.bits
+    if not isinstance(rows, np.ndarray) or not isinstance(bits, np.ndarray):
+        raise TypeError("out must hold numpy arrays (the host build writes into them)")
+    if bits.shape[1] != words:
+        raise ValueError(f"out.bits must have {words} words per row, got {bits.shape[1]}")
+    if out.capacity < capacity:
+        raise ValueError(
+            f"out has room for {out.capacity} rows; this build may list up to {capacity}"
+        )
+    if not bits.flags.c_contiguous or not rows.flags.c_contiguous:
+        raise ValueError("out.rows and out.bits must be C-contiguous")
+    if not bits.flags.writeable or not rows.flags.writeable:
+        raise ValueError("out is read-only")
+    return rows, bits
 
 
 def index_words(capacity: int, words: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec import native as compiled
+from portable_spec import native
 from portable_spec.backend import ArrayInfo, Backend, StagedArrays
 from portable_spec.registry import backend_for, get_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
@@ -419,8 +419,7 @@ class GrammarTree:
         if self._valid:
             return
         next_token, next_sibling, _ = self.resolve()
-        checker = compiled.native
-        if checker is None or not checker.links_valid(next_token, next_sibling):
+        if not native.links_valid(next_token, next_sibling):
             self.topology()  # raises for malformed links
         self._valid = True
 

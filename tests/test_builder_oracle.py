@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder as builder_module
-import portable_spec.small as small_module
+import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.small as small_module
 import portable_spec.topology as topology_module
 from portable_spec.stats import reset_grammar_stats
 
@@ -53,7 +53,7 @@ def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     matcher is back where it started."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case = draw_case(data, vocab)
     before = _fingerprints(case, vocab)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)

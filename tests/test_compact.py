@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder as builder_module
-import portable_spec.compact as compact_module
+import portable_spec.builder.jobs as jobs_module
+import portable_spec.native as native_module
 import portable_spec.topology as topology_module
 from portable_spec.masks import compact_views, index_words
 from portable_spec.stats import reset_grammar_stats
@@ -52,7 +52,7 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     node counts equal, matchers restored; with max_rows, padding that applies to nothing."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case = draw_case(data, vocab)
     before = _prints(case, vocab)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
@@ -95,8 +95,8 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
 @given(data=st.data())
 def test_compact_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch):
     """Small batches of big trees are cut over threads: the same entries."""
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
     ps.set_num_threads(data.draw(st.sampled_from([2, 4, 8]), label="threads"))
     try:
         case = draw_case(data, vocab, max_batch=2, max_nodes=40, protocol=False)
@@ -238,10 +238,18 @@ def test_narrow_matcher_rows_are_zero_past_its_width(smollm2):
 
 
 # -- the index helpers: compiled against the Python fallback -----------------------------------
-def test_keep_rows_agrees_with_the_dense_repair():
+def test_keep_rows_agrees_with_the_dense_repair(monkeypatch):
     """keep_rows lists exactly the rows repair_rows leaves alone, with the same counts, and
-    writes nothing; the Python fallback agrees."""
-    from portable_spec.native import native
+    writes nothing; the numpy/Python implementation behind each entry agrees with the
+    compiled one (rows, counts and valid flags)."""
+    compiled = native_module.native
+
+    def both(entry, *args):
+        """The entry's result with the compiled helper (None when not built) and without."""
+        with monkeypatch.context() as patch:
+            patch.setattr(native_module, "native", None)
+            python = entry(*args)
+        return (entry(*args) if compiled is not None else None), python
 
     rng = np.random.default_rng(1)
     for _ in range(300):
@@ -261,24 +269,46 @@ def test_keep_rows_agrees_with_the_dense_repair():
         limit = int(rng.integers(1, 32 * words + 1))
         dt = rng.integers(-3, limit + 3, n).astype(np.int64)
         stops = np.array([int(rng.integers(0, limit))], dtype=np.int64)
-        root = int(rng.integers(0, 2))
+        root = int(rng.integers(-1, 2))
         original = rows.copy()
-        fallback = compact_module._keep_rows_python(
-            rows, (nt, ns, dt), limit, frozenset(stops.tolist()), root
-        )
-        np.testing.assert_array_equal(rows, original)
-        if native is None:
-            continue
-        kept, checked, refused = compact_module.keep_rows(rows, (nt, ns, dt), limit, stops, root)
+        links = (nt, ns, dt)
+        native_kept, fallback = both(native_module.keep_rows, rows, links, limit, stops, root)
         np.testing.assert_array_equal(rows, original)  # nothing written
-        repaired = rows.copy()
-        counts = native.repair_rows(repaired, nt, ns, dt, limit, stops, root)
-        assert counts == (len(kept), checked, refused)
-        np.testing.assert_array_equal(repaired[kept], original[kept])
-        assert kept.tolist() == fallback[0].tolist()
-        assert (checked, refused) == fallback[1:]
-        rewritten = [j for j in range(n) if j not in kept.tolist()]
-        assert (repaired[rewritten] == -1).all()
+        kept = fallback[0]
+        repaired = {}
+        for name in ("native", "python"):
+            if name == "native" and compiled is None:
+                continue
+            out = rows.copy()
+            valid = np.zeros(n, dtype=bool)
+            with monkeypatch.context() as patch:
+                if name == "python":
+                    patch.setattr(native_module, "native", None)
+                counts = native_module.repair_rows(out, links, limit, stops, root, valid)
+            assert counts == fallback[1:]
+            repaired[name] = (out, valid)
+            np.testing.assert_array_equal(out[kept], original[kept])
+            rewritten = [j for j in range(n) if j not in kept.tolist()]
+            assert (out[rewritten] == -1).all()
+            # accepted: the root, and each child of a kept node whose token is allowed
+            kept_set = set(kept.tolist())
+            for v in range(n):
+                t = int(dt[v])
+                allowed = 0 <= t < limit and (int(original[parents[v], t >> 5]) >> (t & 31)) & 1
+                assert valid[v] == (v == 0 or (parents[v] in kept_set and bool(allowed)))
+        if compiled is None:
+            continue
+        assert native_kept is not None
+        assert native_kept[0].tolist() == kept.tolist()
+        assert native_kept[1:] == fallback[1:]
+        raw = rows.copy()  # the compiled repair itself: kept rows counted, same counts
+        assert compiled.repair_rows(raw, nt, ns, dt, limit, stops, root) == (
+            len(kept),
+            *fallback[1:],
+        )
+        np.testing.assert_array_equal(raw, repaired["native"][0])
+        np.testing.assert_array_equal(repaired["native"][0], repaired["python"][0])
+        np.testing.assert_array_equal(repaired["native"][1], repaired["python"][1])
 
 
 def test_take_rows_and_its_refusals(builder_mode):
@@ -287,15 +317,15 @@ def test_take_rows_and_its_refusals(builder_mode):
     index = np.array([5, 0, 3], dtype=np.int32)
     dest = np.full((3, 5), 9, np.int32)
     numbers = np.zeros(3, np.int32)
-    compact_module.take_rows(source, index, dest, numbers, 60)
+    native_module.take_rows(source, index, dest, numbers, 60)
     np.testing.assert_array_equal(dest[:, :3], source[index])
     assert (dest[:, 3:] == 0).all()
     assert numbers.tolist() == [65, 60, 63]
     same = np.empty((3, 3), np.int32)
-    compact_module.take_rows(source, index, same, numbers, 0)
+    native_module.take_rows(source, index, same, numbers, 0)
     np.testing.assert_array_equal(same, source[index])
     assert numbers.tolist() == [5, 0, 3]
-    from portable_spec.native import native
+    native = native_module.native
 
     if builder_mode == "native":
         with pytest.raises(ValueError, match="every index a source row"):

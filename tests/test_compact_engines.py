@@ -16,7 +16,7 @@ outlines_core = pytest.importorskip("outlines_core")
 from _engines import engine_factory, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
-import portable_spec.builder as builder_module  # noqa: E402
+import portable_spec.builder.jobs as jobs_module  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
@@ -34,7 +34,7 @@ PROBE = [0, 1, 2, 100, 1000, 18, 107]
 @SETTINGS
 @given(data=st.data())
 def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)

@@ -22,7 +22,7 @@ outlines_core = pytest.importorskip("outlines_core")
 from _engines import engine_factory, fingerprint, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
-import portable_spec.builder as builder_module  # noqa: E402
+import portable_spec.builder.jobs as jobs_module  # noqa: E402
 import portable_spec.topology as topology_module  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
@@ -47,7 +47,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     batch): bit-identical to the oracle, node counts equal, every matcher restored."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)

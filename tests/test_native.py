@@ -1,16 +1,18 @@
-"""The compiled helper refuses bad buffers with Python errors (never a crash) and agrees with
-the Python repair on random rows."""
+"""The compiled helper refuses bad buffers with Python errors (never a crash); every entry of
+``portable_spec.native``, compiled or numpy/Python, agrees with a reference on random rows."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import portable_spec.native as native_module
 from portable_spec.native import native
 
-pytestmark = pytest.mark.skipif(native is None, reason="portable_spec._native is not built here")
+compiled_only = pytest.mark.skipif(native is None, reason="portable_spec._native is not built here")
 
 
+@compiled_only
 def test_links_valid_rejects_bad_buffers():
     good = np.array([[1, -1]], dtype=np.int64)
     with pytest.raises(TypeError, match="next_token must be a 2-D int64 array"):
@@ -24,6 +26,7 @@ def test_links_valid_rejects_bad_buffers():
     assert native.links_valid(good, np.array([[-1, -1]], dtype=np.int64)) is True
 
 
+@compiled_only
 def test_repair_rows_rejects_bad_buffers():
     rows = np.zeros((3, 2), np.int32)
     links = np.array([1, 2, -1], dtype=np.int64)
@@ -39,8 +42,10 @@ def test_repair_rows_rejects_bad_buffers():
         native.repair_rows(rows, links, none, links, 65, stops, 1)  # past 32 * words
 
 
-def test_repair_rows_against_a_reference():
-    """Random chains and rows: rows of kept nodes untouched, every other row -1."""
+def test_repair_rows_against_a_reference(builder_mode):
+    """Random chains and rows: rows of kept nodes untouched, every other row -1, the counts
+    and the valid flags as the reference says (the compiled helper and the numpy/Python
+    implementation behind the entry)."""
     rng = np.random.default_rng(0)
     for _ in range(200):
         n, words = int(rng.integers(1, 12)), int(rng.integers(1, 4))
@@ -54,16 +59,28 @@ def test_repair_rows_against_a_reference():
         root = int(rng.integers(-1, 2))
         root_ok = bool(original[0].any()) if root == -1 else bool(root)
         keep = [root_ok]
+        allowed = [True]
         checked = rejected = 0
         for j in range(1, n):
             t = int(dt[j])
             bit = 0 <= t < limit and (int(original[j - 1, t >> 5]) >> (t & 31)) & 1
+            allowed.append(bit)
             if keep[-1]:
                 checked += 1
                 rejected += not bit
             keep.append(keep[-1] and bool(bit) and t != stops[0])
-        counts = native.repair_rows(rows, nt, ns, dt, limit, stops, root)
-        assert counts == (sum(keep), checked, rejected)
+        accepted = [True] + [keep[j - 1] and bool(allowed[j]) for j in range(1, n)]
+        if builder_mode == "native":  # the compiled helper itself also counts the kept rows
+            raw = original.copy()
+            assert native.repair_rows(raw, nt, ns, dt, limit, stops, root) == (
+                sum(keep),
+                checked,
+                rejected,
+            )
+        valid = np.zeros(n, dtype=bool)
+        counts = native_module.repair_rows(rows, (nt, ns, dt), limit, stops, root, valid)
+        assert counts == (checked, rejected)
+        assert valid.tolist() == accepted
         for j in range(n):
             want = original[j] if keep[j] else np.full(words, -1, np.int32)
             np.testing.assert_array_equal(rows[j], want)

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder as builder_module
-import portable_spec.small as small_module
+import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.small as small_module
 from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
@@ -122,7 +122,7 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
     helper, inline or on the pool: row ``offsets[b] + j`` equals the replay of request b's
     first j drafts, valid flags equal, the given ``out`` written in place, matchers
     restored."""
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case, chains, tokens, offsets = _draw_packed(data, smollm2, engines)
     before = _prints(case.matchers, smollm2.words)
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
@@ -149,7 +149,7 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
 def test_reasoning_matches_oracle(smollm2, engines, layout, builder_mode, data, monkeypatch):
     """reasoning= over packed chains (and linear chains of one length) equals the reasoning
     replay of each chain, inline or through the pool, matchers restored."""
-    monkeypatch.setattr(builder_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
     case, chains, tokens, offsets = _draw_packed(data, smollm2, engines, uniform=layout == "linear")
     seen = sorted({int(t) for c in chains for t in c[1:] if 0 <= t < smollm2.size})
     pool = [*seen, smollm2.eos, 0, 5]

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder as builder_module
-from portable_spec.split import plan_split
+import portable_spec.builder.jobs as jobs_module
+from portable_spec.builder.split import plan_split
 
 
 @pytest.fixture
@@ -28,8 +28,8 @@ def many_threads():
 )
 @given(data=st.data())
 def test_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch, many_threads):
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
     ps.set_num_threads(data.draw(st.sampled_from([2, 3, 4, 8]), label="threads"))
     case = draw_case(data, vocab, max_batch=2, max_nodes=40, protocol=False)
     probe = [vocab.eos, 0, 1, 100]
@@ -75,8 +75,8 @@ def test_split_failure_restores_everything(smollm2, many_threads, monkeypatch):
     import xgrammar as xgr
 
     ps.set_num_threads(2)
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_NODES", 2)
-    monkeypatch.setattr(builder_module, "SPLIT_MIN_PART", 2)
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", 2)
+    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", 2)
     compiled = smollm2.grammars["builtin_json"]
     m = xgr.GrammarMatcher(compiled)
     tokens = [0] + [smollm2.tokens.index(t) for t in ["[", "1", ",", "2", ","] * 4]
@@ -86,7 +86,7 @@ def test_split_failure_restores_everything(smollm2, many_threads, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("fork walk failed")
 
-    monkeypatch.setattr(builder_module, "walk_subtree", broken)
+    monkeypatch.setattr(jobs_module, "walk_subtree", broken)
     with pytest.raises(
         ps.MatcherError, match="grammars\\[0\\] raised RuntimeError: fork walk failed"
     ):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.builder import PARALLEL_MIN_NODES
+from portable_spec.builder.jobs import PARALLEL_MIN_NODES
 from portable_spec.engines.base import MatcherInfo, NodeStates
 from portable_spec.engines.generic import generic_states
 from portable_spec.engines.llguidance import LLGuidanceStates

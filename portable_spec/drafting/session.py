@@ -11,16 +11,15 @@ from typing import Any
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
-from portable_spec.builder import check_vocab_size
 from portable_spec.delivery import built_rows, deliver, plan, resolve_target, settle_dense
 from portable_spec.drafting.levels import check_depths, check_parents, node_states, run_states
 from portable_spec.drafting.trees import StagedColumns, check_selection, selection_tree
 from portable_spec.drafting.vocab import DraftVocab
 from portable_spec.engines.base import NodeStates
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import NONE, classify_grammars, words_for
+from portable_spec.grammars import NONE, classify_grammars
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
-from portable_spec.masks import ALL_ALLOWED
+from portable_spec.masks import ALL_ALLOWED, check_vocab_size, words_for
 from portable_spec.pending import check_not_pending
 from portable_spec.tree import GrammarTree, host_array
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.grammars import words_for
-from portable_spec.masks import ALL_ALLOWED
+from portable_spec.masks import ALL_ALLOWED, words_for
 from portable_spec.tree import host_array
 
 __all__ = ["DraftVocab"]

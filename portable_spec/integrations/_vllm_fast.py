@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec.builder.small import chain_links
 from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.pending import pending_builds
-from portable_spec.small import chain_links
 
 __all__ = ["fast_rows", "may_reason"]
 

@@ -3,7 +3,8 @@
 A reasoning request thinks freely, then emits an end token (``</think>``) after which its
 answer follows the grammar. In a verify tree the end token may lie on some branches and not on
 others, so the rule is applied per root path (see :class:`Reasoning`). The mask is built in
-three steps, all through :func:`portable_spec.build_host_bitmask`:
+three steps, all through :func:`portable_spec.build_host_bitmask` (passed in by it as a
+callable: this module never imports the builder's front):
 
 1. the requests that are not reasoning, as usual (reasoning ones are passed as ``None``);
 2. each reasoning request's free-text row: everything allowed except the content end tokens
@@ -32,11 +33,10 @@ import numpy as np
 
 from portable_spec.engines.base import IdentityCache
 from portable_spec.errors import MatcherError
+from portable_spec.masks import ALL_ALLOWED
 from portable_spec.tree import GrammarTree
 
-__all__ = ["Reasoning", "build_with_reasoning"]
-
-ALL_ALLOWED = -1
+__all__ = ["Reasoning", "build_with_reasoning", "check_reasoning"]
 
 
 @dataclass(frozen=True)
@@ -158,29 +158,23 @@ def build_with_reasoning(
     build: Any,
     grammars: Sequence[Any],
     tree: GrammarTree,
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
     vocab_size: int,
     words: int,
-    reasoning: Reasoning,
+    checked: _Checked,
+    reasoning_requests: list[int],
     out: np.ndarray | None,
     return_valid: bool = False,
 ) -> Any:
     """:func:`portable_spec.build_host_bitmask` with a :class:`Reasoning` rule (``build`` is
-    that function, called without one). Same arguments, result and guarantees."""
-    checked = check_reasoning(reasoning, tree.batch, vocab_size)
-    reasoning_requests = [
-        b for b in range(tree.batch) if checked.active[b] and grammars[b] is not None
-    ]
-    if not reasoning_requests:
-        return build(grammars, tree, vocab_size, out=out, return_valid=return_valid)
-    # every check before any matcher moves: the grammars and the links
-    from portable_spec.grammars import classify_grammars
-
-    classify_grammars(grammars, tree.batch, vocab_size)
-    next_token, next_sibling, draft = tree.resolve()
-    tree.validate()
+    that function, called without one), once every argument is checked (``checked``: the
+    rule, from :func:`check_reasoning`; ``reasoning_requests``: the constrained requests
+    still reasoning, at least one), the tree resolved (``arrays``) and validated. Same
+    result and guarantees as that function."""
+    next_token, next_sibling, draft = arrays
     if tree.is_chain or tree.is_packed:
         return _chains_with_reasoning(
-            build, grammars, tree, vocab_size, words, checked, reasoning_requests, out,
+            build, grammars, tree, draft, vocab_size, words, checked, reasoning_requests, out,
             return_valid,
         )  # fmt: skip
 
@@ -210,6 +204,7 @@ def _chains_with_reasoning(
     build: Any,
     grammars: Sequence[Any],
     tree: GrammarTree,
+    draft: np.ndarray,
     vocab_size: int,
     words: int,
     checked: _Checked,
