@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec.builder import jobs
 from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import XGRAMMAR, _kind_by_type
@@ -24,11 +25,11 @@ from portable_spec.pending import pending_builds
 from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
 
-__all__ = ["SMALL_CHAIN_BATCH", "SMALL_CHAIN_NODES", "chain_links", "small_chains"]
+__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "small_chains"]
 
-# Up to this many chain requests, of up to this many nodes each, take this path.
+# Up to this many chain requests take this path, each of at most jobs.INLINE_CHAIN_NODES nodes
+# (the chains short enough to stay on the calling thread).
 SMALL_CHAIN_BATCH = 8
-SMALL_CHAIN_NODES = 9
 
 
 _links: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -65,7 +66,7 @@ def small_chains(
         or type(grammars) is not list
         or len(grammars) != batch
         or not 0 < batch <= SMALL_CHAIN_BATCH
-        or tree.nodes > SMALL_CHAIN_NODES
+        or tree.nodes > jobs.INLINE_CHAIN_NODES
         or type(vocab_size) is not int
         or vocab_size <= 0
         or pending_builds()
