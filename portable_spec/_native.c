@@ -47,6 +47,32 @@
  *       when given (the rows' numbers in the whole mask). int32 rows; `index` int32 in
  *       [0, rows of source) (checked: ValueError, nothing written).
  *
+ *   xgrammar_bind(call, move_error, decref, traverse, is_terminated, type_index)
+ *       Take xgrammar's matcher methods through tvm-ffi's C ABI: the addresses of
+ *       TVMFFIFunctionCall, TVMFFIErrorMoveFromRaised and TVMFFIObjectDecRef, the function
+ *       handles of GrammarMatcher.traverse_draft_tree and .is_terminated, and the matcher
+ *       type's index. Called once by portable_spec.engines.xgrammar after it checked the
+ *       methods' signatures; until then the two functions below raise RuntimeError.
+ *
+ *   xgrammar_traverse(matcher, next_token, next_sibling, draft, rows) -> None
+ *       One request's traverse_draft_tree with the GIL released (xgrammar's own Python
+ *       binding holds it): `matcher` is the handle of the matcher's tvm-ffi object, the other
+ *       arguments as xgrammar takes them (int64 [nodes] links and tokens, int32
+ *       [nodes, words] rows). RuntimeError carrying xgrammar's message when it refuses.
+ *
+ *   walk_chains(rows, tokens, spans, limit, stop_ids, repeat[, valid[, seconds]])
+ *       -> (checked, rejected, failed, message)
+ *       Walk and repair many chains in one call, the GIL released: `spans` as for
+ *       repair_chains, the fourth column a matcher handle (0: no matcher, every row
+ *       all-allowed). A live matcher's chain is filled by traverse_draft_tree, then repaired
+ *       as repair_chains does; `valid` (bool [R]) receives which nodes the grammar accepts
+ *       (the root, then each draft whose bit is set in the row before it, up to the first
+ *       refused one; a stop token is accepted and ends the chain; only the root of a
+ *       terminated or absent matcher). Stops at the first matcher xgrammar refuses:
+ *       `failed` is its chain's index (-1 when none) and `message` xgrammar's words; the
+ *       chains before it are walked and repaired, the ones from it on untouched.
+ *       `seconds` (float64 [chains]), when given, receives each chain's walk and repair time.
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -54,6 +80,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -508,6 +535,388 @@ fail_rows:
     return NULL;
 }
 
+
+/* ---------------------------------------------------------------------------------------- */
+/* xgrammar's matcher methods through tvm-ffi's C ABI (the layouts of tvm/ffi/c_api.h and
+   dlpack.h, both stable ABIs). Bound at run time from Python, never linked. */
+
+typedef struct {
+    int32_t type_index;
+    uint32_t zero_padding;
+    union {
+        int64_t v_int64;
+        double v_float64;
+        void *v_ptr;
+    };
+} FfiAny;
+
+typedef struct {
+    uint64_t ref_count;
+    int32_t type_index;
+    uint32_t padding;
+    void *deleter;
+} FfiObject;
+
+typedef struct {
+    const char *data;
+    size_t size;
+} FfiBytes;
+
+typedef struct {
+    FfiBytes kind, message;
+} FfiErrorCell; /* follows the object header; only its first fields are read */
+
+typedef struct {
+    int32_t device_type, device_id;
+} DlDevice;
+
+typedef struct {
+    uint8_t code, bits;
+    uint16_t lanes;
+} DlDataType;
+
+typedef struct {
+    void *data;
+    DlDevice device;
+    int32_t ndim;
+    DlDataType dtype;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+} DlTensor;
+
+enum { FFI_NONE = 0, FFI_BOOL = 2, FFI_FLOAT = 3, FFI_DLTENSOR_PTR = 7, FFI_STATIC_OBJECT = 64 };
+
+typedef int (*ffi_call_fn)(void *func, FfiAny *args, int32_t num_args, FfiAny *result);
+typedef void (*ffi_move_error_fn)(void **error);
+typedef int (*ffi_decref_fn)(void *object);
+
+static ffi_call_fn ffi_call;
+static ffi_move_error_fn ffi_move_error;
+static ffi_decref_fn ffi_decref;
+static void *xgr_traverse_fn, *xgr_is_terminated_fn;
+static int32_t xgr_matcher_type = -1;
+
+static PyObject *xgrammar_bind(PyObject *self, PyObject *args) {
+    unsigned long long call, move_error, decref, traverse, is_terminated;
+    int type_index;
+    if (!PyArg_ParseTuple(args, "KKKKKi", &call, &move_error, &decref, &traverse, &is_terminated,
+                          &type_index))
+        return NULL;
+    if (!call || !move_error || !decref || !traverse || !is_terminated ||
+        type_index < FFI_STATIC_OBJECT) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_bind: a null address or a bad type index");
+        return NULL;
+    }
+    ffi_call = (ffi_call_fn)(uintptr_t)call;
+    ffi_move_error = (ffi_move_error_fn)(uintptr_t)move_error;
+    ffi_decref = (ffi_decref_fn)(uintptr_t)decref;
+    xgr_traverse_fn = (void *)(uintptr_t)traverse;
+    xgr_is_terminated_fn = (void *)(uintptr_t)is_terminated;
+    xgr_matcher_type = type_index;
+    Py_RETURN_NONE;
+}
+
+/* The matcher handle as a tvm-ffi object argument, or -1 (Python error set) when it is not a
+   bound matcher object. */
+static int matcher_arg(unsigned long long handle, FfiAny *arg) {
+    if (ffi_call == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
+        return -1;
+    }
+    FfiObject *object = (FfiObject *)(uintptr_t)handle;
+    if (object == NULL || object->type_index != xgr_matcher_type) {
+        PyErr_SetString(PyExc_TypeError, "not the handle of an xgrammar GrammarMatcher");
+        return -1;
+    }
+    arg->type_index = object->type_index;
+    arg->zero_padding = 0;
+    arg->v_ptr = object;
+    return 0;
+}
+
+/* Take the error tvm-ffi raised into a malloc'd "Kind: message" string (NULL if out of
+   memory). No GIL needed. */
+static char *take_ffi_error(void) {
+    void *error = NULL;
+    ffi_move_error(&error);
+    const char *kind = "Error", *text = "xgrammar failed";
+    size_t nkind = strlen(kind), ntext = strlen(text);
+    if (error != NULL) {
+        const FfiErrorCell *cell = (const FfiErrorCell *)((const char *)error + sizeof(FfiObject));
+        if (cell->kind.data != NULL) kind = cell->kind.data, nkind = cell->kind.size;
+        if (cell->message.data != NULL) text = cell->message.data, ntext = cell->message.size;
+    }
+    char *out = malloc(nkind + ntext + 3);
+    if (out != NULL) {
+        memcpy(out, kind, nkind);
+        memcpy(out + nkind, ": ", 2);
+        memcpy(out + nkind + 2, text, ntext);
+        out[nkind + 2 + ntext] = 0;
+    }
+    if (error != NULL) ffi_decref(error);
+    return out;
+}
+
+static void set_tensor(DlTensor *t, void *data, int ndim, int64_t *shape, uint8_t bits) {
+    t->data = data;
+    t->device.device_type = 1; /* kDLCPU */
+    t->device.device_id = 0;
+    t->ndim = ndim;
+    t->dtype.code = 0; /* kDLInt */
+    t->dtype.bits = bits;
+    t->dtype.lanes = 1;
+    t->shape = shape;
+    t->strides = NULL;
+    t->byte_offset = 0;
+}
+
+/* traverse_draft_tree on one request: 0 on success, else -1 with *error set (malloc'd or
+   NULL). *terminated (if not NULL) asks is_terminated first and skips a terminated matcher.
+   No GIL needed. */
+static int call_traverse(const FfiAny *matcher, int64_t *nt, int64_t *ns, int64_t *dt,
+                         int32_t *rows, int64_t n, int64_t words, int *terminated,
+                         char **error) {
+    FfiAny args[7], result;
+    args[0] = *matcher;
+    if (terminated != NULL) {
+        result.type_index = FFI_NONE;
+        result.zero_padding = 0;
+        result.v_int64 = 0;
+        if (ffi_call(xgr_is_terminated_fn, args, 1, &result) != 0) {
+            *error = take_ffi_error();
+            return -1;
+        }
+        *terminated = result.v_int64 != 0;
+        if (*terminated) return 0;
+    }
+    int64_t shape1[1] = {n}, shape2[2] = {n, words};
+    DlTensor t_nt, t_ns, t_dt, t_rows;
+    set_tensor(&t_nt, nt, 1, shape1, 64);
+    set_tensor(&t_ns, ns, 1, shape1, 64);
+    set_tensor(&t_dt, dt, 1, shape1, 64);
+    set_tensor(&t_rows, rows, 2, shape2, 32);
+    DlTensor *tensors[4] = {&t_nt, &t_ns, &t_dt, &t_rows};
+    for (int i = 0; i < 4; i++) {
+        args[1 + i].type_index = FFI_DLTENSOR_PTR;
+        args[1 + i].zero_padding = 0;
+        args[1 + i].v_ptr = tensors[i];
+    }
+    args[5].type_index = FFI_FLOAT;
+    args[5].zero_padding = 0;
+    args[5].v_float64 = -1.0; /* no time limit */
+    args[6].type_index = FFI_NONE;
+    args[6].zero_padding = 0;
+    args[6].v_int64 = 0; /* no temperatures */
+    result.type_index = FFI_NONE;
+    result.zero_padding = 0;
+    result.v_int64 = 0;
+    if (ffi_call(xgr_traverse_fn, args, 7, &result) != 0) {
+        *error = take_ffi_error();
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *raise_ffi_error(char *error) {
+    PyErr_SetString(PyExc_RuntimeError, error != NULL ? error : "xgrammar failed");
+    free(error);
+    return NULL;
+}
+
+static PyObject *xgrammar_traverse(PyObject *self, PyObject *args) {
+    unsigned long long handle;
+    PyObject *nt_obj, *ns_obj, *dt_obj, *rows_obj;
+    if (!PyArg_ParseTuple(args, "KOOOO", &handle, &nt_obj, &ns_obj, &dt_obj, &rows_obj))
+        return NULL;
+    FfiAny matcher;
+    if (matcher_arg(handle, &matcher) != 0) return NULL;
+    Py_buffer nt, ns, dt, rows;
+    if (get_buffer(nt_obj, &nt, 0, 'i', 8, 1, "next_token") != 0) return NULL;
+    if (get_buffer(ns_obj, &ns, 0, 'i', 8, 1, "next_sibling") != 0) goto fail_nt;
+    if (get_buffer(dt_obj, &dt, 0, 'i', 8, 1, "draft") != 0) goto fail_ns;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) goto fail_dt;
+    Py_ssize_t n = nt.shape[0];
+    if (ns.shape[0] != n || dt.shape[0] != n || rows.shape[0] != n || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_traverse: links, tokens and rows differ in length");
+        goto fail_rows;
+    }
+    int rc;
+    char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = call_traverse(&matcher, (int64_t *)nt.buf, (int64_t *)ns.buf, (int64_t *)dt.buf,
+                       (int32_t *)rows.buf, n, rows.shape[1], NULL, &error);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&dt);
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&nt);
+    if (rc != 0) return raise_ffi_error(error);
+    Py_RETURN_NONE;
+fail_rows:
+    PyBuffer_Release(&rows);
+fail_dt:
+    PyBuffer_Release(&dt);
+fail_ns:
+    PyBuffer_Release(&ns);
+fail_nt:
+    PyBuffer_Release(&nt);
+    return NULL;
+}
+
+static PyObject *walk_chains(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *tokens_obj, *spans_obj, *stops_obj, *valid_obj = Py_None;
+    PyObject *seconds_obj = Py_None;
+    long long limit;
+    int repeat;
+    if (!PyArg_ParseTuple(args, "OOOLOi|OO", &rows_obj, &tokens_obj, &spans_obj, &limit,
+                          &stops_obj, &repeat, &valid_obj, &seconds_obj))
+        return NULL;
+    if (ffi_call == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
+        return NULL;
+    }
+    Py_buffer rows, tokens, spans, stops, valid, seconds;
+    int has_valid = valid_obj != Py_None, has_seconds = seconds_obj != Py_None;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    if (get_buffer(tokens_obj, &tokens, 0, 'i', 8, 1, "tokens") != 0) goto fail_rows;
+    if (get_buffer(spans_obj, &spans, 0, 'i', 8, 2, "spans") != 0) goto fail_tokens;
+    if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
+    Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], ntok = tokens.shape[0];
+    if (has_valid && get_flags(valid_obj, &valid, nrows) != 0) goto fail_stops;
+    Py_ssize_t chains = spans.shape[0], longest = 1;
+    const int64_t *sp = (const int64_t *)spans.buf;
+    int bad = spans.shape[1] != 4 || limit > (long long)words * 32;
+    for (Py_ssize_t c = 0; c < chains && !bad; c++) {
+        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
+        bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > ntok - n;
+        if (!bad && n > longest) longest = n;
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "walk_chains: spans out of bounds or malformed");
+        goto fail_valid;
+    }
+    if (has_seconds) {
+        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
+            goto fail_valid;
+        const char *fmt = seconds.format ? seconds.format : "B";
+        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] < chains) {
+            PyBuffer_Release(&seconds);
+            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per chain");
+            goto fail_valid;
+        }
+    }
+    FfiAny *matchers = PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(FfiAny));
+    int64_t *links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
+    if (matchers == NULL || links == NULL) {
+        PyMem_Free(matchers);
+        PyMem_Free(links);
+        PyErr_NoMemory();
+        goto fail_seconds;
+    }
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        if (sp[4 * c + 3] != 0 && matcher_arg((unsigned long long)sp[4 * c + 3], &matchers[c]) != 0) {
+            PyMem_Free(matchers);
+            PyMem_Free(links);
+            goto fail_seconds;
+        }
+    }
+    Py_ssize_t checked = 0, rejected = 0, failed = -1;
+    char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *next_token = links, *next_sibling = links + longest;
+    for (Py_ssize_t i = 0; i < longest; i++) {
+        next_token[i] = i + 1;
+        next_sibling[i] = -1;
+    }
+    int32_t *mask = (int32_t *)rows.buf;
+    int64_t *tok = (int64_t *)tokens.buf;
+    const int64_t *stop = (const int64_t *)stops.buf;
+    uint8_t *flags = has_valid ? (uint8_t *)valid.buf : NULL;
+    Py_ssize_t nstops = stops.shape[0];
+    size_t width = sizeof(int32_t) * (size_t)words;
+    double *times = has_seconds ? (double *)seconds.buf : NULL;
+    struct timespec began, ended;
+    if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        int32_t *base = mask + sp[4 * c] * words;
+        int64_t *chain = tok + sp[4 * c + 1];
+        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2], first = 0, refused = 0;
+        int live = 0;
+        if (sp[4 * c + 3] != 0) {
+            int terminated = 0;
+            next_token[n - 1] = -1;
+            int rc = call_traverse(&matchers[c], next_token, next_sibling, chain, base, n, words,
+                                   &terminated, &error);
+            next_token[n - 1] = n;
+            if (rc != 0) {
+                failed = c;
+                break;
+            }
+            live = !terminated;
+        }
+        uint8_t *ok_flags = flags != NULL ? flags + sp[4 * c] : NULL;
+        if (ok_flags != NULL) {
+            memset(ok_flags, 0, (size_t)n);
+            ok_flags[0] = 1;
+        }
+        if (live) {
+            for (first = 1; first < n; first++) {
+                int64_t t = chain[first];
+                const uint32_t *parent = (const uint32_t *)(base + (first - 1) * words);
+                checked++;
+                if (!(t >= 0 && t < limit && ((parent[t >> 5] >> (t & 31)) & 1u))) {
+                    rejected++;
+                    refused = 1;
+                    break;
+                }
+                if (ok_flags != NULL) ok_flags[first] = 1;
+                int is_stop = 0;
+                for (Py_ssize_t s = 0; s < nstops && !is_stop; s++) is_stop = stop[s] == t;
+                if (is_stop) break;
+            }
+        }
+        for (Py_ssize_t v = first; v < n; v++) {
+            if (repeat && refused)
+                memcpy(base + v * words, base + (first - 1) * words, width);
+            else
+                memset(base + v * words, 0xff, width);
+        }
+        if (times != NULL) {
+            clock_gettime(CLOCK_MONOTONIC, &ended);
+            times[c] = (double)(ended.tv_sec - began.tv_sec) + 1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
+            began = ended;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(matchers);
+    PyMem_Free(links);
+    if (has_seconds) PyBuffer_Release(&seconds);
+    if (has_valid) PyBuffer_Release(&valid);
+    PyBuffer_Release(&stops);
+    PyBuffer_Release(&spans);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&rows);
+    if (failed < 0) return Py_BuildValue("nnnO", checked, rejected, failed, Py_None);
+    PyObject *result = Py_BuildValue("nnns", checked, rejected, failed,
+                                     error != NULL ? error : "xgrammar failed");
+    free(error);
+    return result;
+fail_seconds:
+    if (has_seconds) PyBuffer_Release(&seconds);
+fail_valid:
+    if (has_valid) PyBuffer_Release(&valid);
+fail_stops:
+    PyBuffer_Release(&stops);
+fail_spans:
+    PyBuffer_Release(&spans);
+fail_tokens:
+    PyBuffer_Release(&tokens);
+fail_rows:
+    PyBuffer_Release(&rows);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"links_valid", links_valid, METH_VARARGS,
      "links_valid(next_token, next_sibling) -> bool: whether int64 [batch, nodes] links form "
@@ -529,6 +938,15 @@ static PyMethodDef methods[] = {
      "take_rows(source, index, dest[, numbers, base]): dest[i] = source[index[i]] for int32 "
      "rows, words past the source's width set to 0; numbers[i] = index[i] + base (GIL "
      "released)."},
+    {"xgrammar_bind", xgrammar_bind, METH_VARARGS,
+     "xgrammar_bind(call, move_error, decref, traverse, is_terminated, type_index): take "
+     "xgrammar's matcher methods through tvm-ffi's C ABI."},
+    {"xgrammar_traverse", xgrammar_traverse, METH_VARARGS,
+     "xgrammar_traverse(matcher, next_token, next_sibling, draft, rows): one request's "
+     "traverse_draft_tree, GIL released; RuntimeError with xgrammar's message."},
+    {"walk_chains", walk_chains, METH_VARARGS,
+     "walk_chains(rows, tokens, spans, limit, stop_ids, repeat[, valid[, seconds]]) -> (checked, "
+     "rejected, failed, message): traverse and repair many chains in one call, GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,8 @@ repair_rows        after a walk: keep the rows of accepted, live nodes, -1 into 
                    (``row_repairer``: the same, taken once for a loop over requests)
 keep_rows          the same decision without writes: the kept nodes, ascending
 take_rows          copy the listed rows out (and number them), for the compact layout
+traverse_xgrammar  one request's ``GrammarMatcher.traverse_draft_tree``, GIL released
+xgrammar_handle    what the compiled helper needs to call a matcher's methods itself
 =================  ==========================================================================
 
 The rule of ``repair_rows`` and ``keep_rows``: a node keeps its row iff the matcher was live
@@ -21,18 +23,41 @@ at the root and every node on its root path has its token in ``[0, limit)``, not
 token, and its bit set in its parent's row. Counts: ``checked`` are the children of kept
 nodes (the draft tokens the grammar was asked about), ``refused`` those whose token is out of
 range or whose bit is clear (an accepted stop token is not a refusal).
+
+xgrammar (0.2.8 and later) reaches its C++ through tvm-ffi, whose Python calls hold the GIL:
+two threads walking two matchers take turns. The compiled helper calls the same methods
+through tvm-ffi's C ABI instead (``TVMFFIFunctionCall`` on the matcher type's own method
+functions, the arrays passed as DLPack tensors) with the GIL released, so walks of different
+requests run on several cores, and a batch of chains is walked in one call. It binds only
+after checking tvm-ffi's version (0.1) and the two methods' signatures; anything else, or
+``PORTABLE_SPEC_XGRAMMAR_FFI=0``, leaves xgrammar's Python binding in use (same rows).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-__all__ = ["keep_rows", "links_valid", "native", "repair_rows", "row_repairer", "take_rows"]
+__all__ = [
+    "keep_rows",
+    "links_valid",
+    "native",
+    "repair_rows",
+    "row_repairer",
+    "take_rows",
+    "traverse_xgrammar",
+    "xgrammar_handle",
+]
+
+logger = logging.getLogger("portable_spec")
 
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -203,3 +228,107 @@ def _decide(
     if valid is not None:
         valid[:] = accepted
     return np.array(keep, dtype=bool), checked, refused
+
+
+# ---------------------------------------------------------------------------------------------
+# xgrammar's matcher methods through tvm-ffi's C ABI
+
+#: the methods the compiled helper calls, with their parameters after ``self`` as tvm-ffi's
+#: reflection states them; a matcher type whose methods say anything else is not bound
+_XGRAMMAR_METHODS = {
+    "traverse_draft_tree": ["Any", "Any", "Any", "Any", "float", "Any"],
+    "is_terminated": [],
+}
+_bound_types: dict[type, bool] = {}
+_bound_functions: list[Any] = []  # keeps the bound method functions (and their handles) alive
+
+
+def xgrammar_handle(matcher: Any) -> int:
+    """The address of an ``xgrammar.GrammarMatcher``'s tvm-ffi object when the compiled helper
+    can call its methods itself (:func:`traverse_xgrammar`, the chain walks), else 0.
+
+    The first matcher of a type binds the helper to that type's methods (a check of tvm-ffi's
+    version and of the methods' signatures; logged at debug level when it declines). The
+    address is valid while ``matcher`` lives. Never calls the matcher; does not block."""
+    helper = native
+    handle = getattr(matcher, "_handle", None)
+    if helper is None or handle is None:
+        return 0
+    kind = type(handle)
+    bound = _bound_types.get(kind)
+    if bound is None:
+        bound = _bound_types[kind] = _bind_xgrammar(helper, kind)
+    return handle.__chandle__() if bound else 0  # type: ignore[no-any-return]
+
+
+def traverse_xgrammar(
+    matcher: Any,
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    rows: np.ndarray,
+) -> None:
+    """``matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)`` with the GIL
+    released when the compiled helper can call it (:func:`xgrammar_handle`), through
+    xgrammar's Python binding otherwise; the same rows either way.
+
+    ``next_token``, ``next_sibling``, ``draft``: C-contiguous int64 ``[nodes]``; ``rows``:
+    C-contiguous writable int32 ``[nodes, words]``, ``words`` the matcher's width. Blocks until
+    the walk is done; raises what xgrammar raises (``RuntimeError`` carrying its message on
+    the direct path)."""
+    handle = xgrammar_handle(matcher)
+    if handle:
+        native.xgrammar_traverse(handle, next_token, next_sibling, draft, rows)  # type: ignore[union-attr]
+    else:
+        matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
+
+
+def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
+    """Bind the compiled helper to the methods of xgrammar's matcher type ``kind`` (once per
+    process: a second type is declined). True when bound."""
+    if os.environ.get("PORTABLE_SPEC_XGRAMMAR_FFI", "") == "0":
+        return False
+    if not hasattr(helper, "xgrammar_bind") or any(_bound_types.values()):
+        return False
+    tvm_ffi = sys.modules.get("tvm_ffi")
+    info = getattr(kind, "__tvm_ffi_type_info__", None)
+    library = getattr(tvm_ffi, "LIB", None)
+    version = str(getattr(tvm_ffi, "__version__", ""))
+    if info is None or library is None or not version.startswith("0.1."):
+        logger.debug("xgrammar through tvm-ffi's C ABI: not bound (tvm-ffi %r)", version)
+        return False
+    try:
+        methods = {method.name: method for method in info.methods}
+        for name, params in _XGRAMMAR_METHODS.items():
+            method = methods.get(name)
+            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
+            args = schema.get("named_args", {})
+            said = [p.get("type") for p in args.get("params", [])]
+            returns = [r.get("type") for r in args.get("return", [])]
+            if (
+                method is None
+                or method.is_static
+                or said != [info.type_key, *params]
+                or returns != ["bool"]
+            ):
+                logger.debug("xgrammar through tvm-ffi's C ABI: %s is %s; not bound", name, said)
+                return False
+        import ctypes
+
+        def address(symbol: str) -> int:
+            return int(ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value or 0)
+
+        functions = [methods["traverse_draft_tree"].func, methods["is_terminated"].func]
+        helper.xgrammar_bind(
+            address("TVMFFIFunctionCall"),
+            address("TVMFFIErrorMoveFromRaised"),
+            address("TVMFFIObjectDecRef"),
+            functions[0].__chandle__(),
+            functions[1].__chandle__(),
+            int(info.type_index),
+        )
+    except Exception as exc:  # an unexpected reflection layout: keep the Python binding
+        logger.debug("xgrammar through tvm-ffi's C ABI: not bound (%s)", exc)
+        return False
+    _bound_functions.extend(functions)
+    return True

@@ -5,8 +5,9 @@ without reasoning, dense layout. A batch-1 call in a serving engine starts with 
 (the model's forward pass evicts them between steps), so what it costs follows the number of
 Python lines and numpy calls it runs: this path checks only what it must (and gives up on
 anything unusual, ``None``: the general path then checks everything and raises what it must),
-walks each request with xgrammar's C++ traversal and repairs its rows with the compiled helper,
-on the calling thread.
+walks and repairs every request in one call of the compiled helper (xgrammar's C++ traversal
+reached through tvm-ffi's C ABI, GIL released), on the calling thread; where the helper cannot
+call xgrammar itself, request by request through xgrammar's Python binding.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def small_chains(
         return None
     words = (vocab_size + 31) >> 5
     infos = []
+    handles = []
     for g in grammars:
         if _kind_by_type.get(type(g)) != XGRAMMAR:
             return None
@@ -82,6 +84,7 @@ def small_chains(
         if info is None or info.words != words:
             return None
         infos.append(info)
+        handles.append(compiled.xgrammar_handle(g))
     if batch > 1 and len({id(g) for g in grammars}) != batch:
         return None
     rows = tree.rows
@@ -114,10 +117,69 @@ def small_chains(
         firsts = range(0, rows + 1, nodes)
         spans = [(f, nodes) for f in firsts]
     accepted = np.empty(rows, dtype=bool) if return_valid else None
+    stops = infos[0].stop_set
+    if all(handles) and all(i.stop_set == stops for i in infos):
+        checked, rejected, walks = _walk_in_one_call(
+            native, mask, tokens, spans, handles, vocab_size, infos[0].stop_ids, accepted
+        )
+    else:
+        checked, rejected, walks = _walk_each(
+            native, grammars, infos, mask, tokens, firsts, spans, vocab_size, accepted
+        )
+    record_build(
+        walks,
+        rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if packed else accepted.reshape(batch, tree.nodes)
+
+
+def _walk_in_one_call(
+    native: Any,
+    mask: np.ndarray,
+    tokens: np.ndarray,
+    spans: list[tuple[int, int]],
+    handles: list[int],
+    limit: int,
+    stop_ids: np.ndarray,
+    accepted: np.ndarray | None,
+) -> tuple[int, int, list[tuple[int, float]]]:
+    """Every chain walked and repaired by the compiled helper in one call (rows and tokens
+    share their offsets here). Returns ``(checked, rejected, walks)``."""
+    table = np.array(
+        [(row, row, n, h) for (row, n), h in zip(spans, handles, strict=False)], dtype=np.int64
+    )
+    seconds = np.empty(len(handles), dtype=np.float64)
+    checked, rejected, failed, message = native.walk_chains(
+        mask, tokens, table, limit, stop_ids, 0, accepted, seconds
+    )
+    if failed >= 0:
+        raise MatcherError(failed, RuntimeError(message))
+    return checked, rejected, list(enumerate(seconds.tolist()))
+
+
+def _walk_each(
+    native: Any,
+    grammars: list[Any],
+    infos: list[Any],
+    mask: np.ndarray,
+    tokens: np.ndarray,
+    firsts: Any,
+    spans: list[tuple[int, int]],
+    vocab_size: int,
+    accepted: np.ndarray | None,
+) -> tuple[int, int, list[tuple[int, float]]]:
+    """Each request walked through xgrammar's Python binding and repaired by the compiled
+    helper. Returns ``(checked, rejected, walks)``."""
     repair = native.repair_rows
     walks = []
     checked = rejected = 0
-    began = resolved
+    began = perf_counter()
     for b, matcher in enumerate(grammars):
         info = infos[b]
         row, n = spans[b]
@@ -143,14 +205,4 @@ def small_chains(
         ended = perf_counter()
         walks.append((b, ended - began))
         began = ended
-    record_build(
-        walks,
-        rows,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
-    if accepted is None:
-        return mask
-    return mask, accepted if packed else accepted.reshape(batch, tree.nodes)
+    return checked, rejected, walks

@@ -10,6 +10,7 @@ import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
+from portable_spec.native import traverse_xgrammar
 
 __all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info", "xgrammar_states"]
 
@@ -68,7 +69,8 @@ def walk_xgrammar(
     draft: np.ndarray,
     rows: np.ndarray,
 ) -> bool:
-    """Fill ``rows`` for one request with ``GrammarMatcher.traverse_draft_tree``.
+    """Fill ``rows`` for one request with ``GrammarMatcher.traverse_draft_tree`` (GIL released
+    where the compiled helper can call it: :func:`portable_spec.native.traverse_xgrammar`).
 
     Args:
         next_token, next_sibling, draft: this request's C-contiguous int64 ``[nodes]`` rows.
@@ -82,7 +84,7 @@ def walk_xgrammar(
     """
     if matcher.is_terminated():
         return False
-    matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
+    traverse_xgrammar(matcher, next_token, next_sibling, draft, rows)
     return True
 
 
