@@ -241,6 +241,7 @@ _XGRAMMAR_METHODS = {
 }
 _bound_types: dict[type, bool] = {}
 _bound_functions: list[Any] = []  # keeps the bound method functions (and their handles) alive
+_bound_helper: list[ModuleType | None] = [None]  # the compiled helper that holds the binding
 
 
 def xgrammar_handle(matcher: Any) -> int:
@@ -258,7 +259,8 @@ def xgrammar_handle(matcher: Any) -> int:
     bound = _bound_types.get(kind)
     if bound is None:
         bound = _bound_types[kind] = _bind_xgrammar(helper, kind)
-    return handle.__chandle__() if bound else 0  # type: ignore[no-any-return]
+    # the binding lives in the helper that took it: another one standing in has none
+    return handle.__chandle__() if bound and helper is _bound_helper[0] else 0  # type: ignore[no-any-return]
 
 
 def traverse_xgrammar(
@@ -276,9 +278,10 @@ def traverse_xgrammar(
     C-contiguous writable int32 ``[nodes, words]``, ``words`` the matcher's width. Blocks until
     the walk is done; raises what xgrammar raises (``RuntimeError`` carrying its message on
     the direct path)."""
+    helper = native
     handle = xgrammar_handle(matcher)
     if handle:
-        native.xgrammar_traverse(handle, next_token, next_sibling, draft, rows)  # type: ignore[union-attr]
+        helper.xgrammar_traverse(handle, next_token, next_sibling, draft, rows)  # type: ignore[union-attr]
     else:
         matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
 
@@ -331,4 +334,5 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
         logger.debug("xgrammar through tvm-ffi's C ABI: not bound (%s)", exc)
         return False
     _bound_functions.extend(functions)
+    _bound_helper[0] = helper
     return True

@@ -52,6 +52,9 @@ def build_dense(build: Build, mask: np.ndarray) -> Any:
     ``(mask, valid)`` with ``build.return_valid`` (bool ``[batch, nodes]``; ``[rows]`` for
     packed chains). Blocks until every row is written; every matcher ends where it started.
     """
+    table = _chain_table(build, mask.shape[1])
+    if table is not None:
+        return _build_chain_table(build, mask, table)
     if _inline(build):
         return _build_inline(build, mask)
     tree, kinds = build.tree, build.kinds
@@ -212,6 +215,62 @@ def _accept_walked(
     flags = accepted_below(mask, at, np.concatenate(tokens), build.vocab_size)
     accepted[rows] = flags
     accepted[[spans[b][0] for b in requests]] = True  # the roots
+
+
+def _chain_table(build: Build, words: int) -> np.ndarray | None:
+    """The :func:`jobs.walk_chain_table` table of a chain build whose every constrained
+    request is an xgrammar matcher the compiled helper can call, of the mask's width, with
+    the same stop tokens; ``None`` for any other build."""
+    tree = build.tree
+    if not (tree.is_chain or tree.is_packed) or native.native is None:
+        return None
+    nodes = tree.nodes
+    stops = None
+    table = []
+    for b, kind in enumerate(build.kinds):
+        start, n = build.spans[b]
+        handle = 0
+        if kind != NONE:
+            info = build.infos[b]
+            if kind != XGRAMMAR or info is None or info.words != words:
+                return None
+            if stops is None:
+                stops = info.stop_set
+            handle = native.xgrammar_handle(build.grammars[b])
+            if not handle or info.stop_set != stops:
+                return None
+        table.append((start, b * nodes, n, handle))
+    return np.array(table, dtype=np.int64)
+
+
+def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any:
+    """The dense build of chains the compiled helper walks itself, in one call or in parts
+    on the pool (:func:`jobs.walk_chain_table`). Same result and accounting as the general
+    path."""
+    tree = build.tree
+    accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
+    info = build.infos[build.constrained[0]]
+    limit = min(build.vocab_size, info.vocab_size)  # type: ignore[union-attr]
+    tokens = build.arrays[2].reshape(-1)
+    stop_ids = info.stop_ids  # type: ignore[union-attr]
+    checked, rejected, walks = jobs.walk_chain_table(mask, tokens, table, limit, stop_ids, accepted)
+    if accepted is not None:
+        for b, kind in enumerate(build.kinds):
+            if kind == NONE:  # every node of an unconstrained chain is accepted
+                start, n = build.spans[b]
+                accepted[start : start + n] = True
+    started, resolved = build.times
+    record_build(
+        [w for w in walks if build.kinds[w[0]] != NONE],
+        tree.rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)
 
 
 def _inline(build: Build) -> bool:

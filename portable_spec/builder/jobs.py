@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from portable_spec import native
 from portable_spec.builder.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.generic import walk_generic
@@ -46,6 +47,7 @@ __all__ = [
     "plan_jobs",
     "run_build",
     "run_jobs",
+    "walk_chain_table",
 ]
 
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -66,6 +68,9 @@ SPLIT_MIN_PART = 16
 # to 8 drafts, batch 8 to 256: the pool was slower in every configuration).
 INLINE_CHAIN_NODES = 9
 SHORT_CHAIN_FACTOR = 64
+# Chains the compiled helper walks itself (walk_chain_table): from this many rows on, the
+# batch is cut into parts walked on the pool at once (GIL released in every part).
+CHAIN_TABLE_PARALLEL_ROWS = 48
 
 _PYTHON_WALKS = {GENERIC: walk_generic, LLGUIDANCE: walk_llguidance, OUTLINES: walk_outlines}
 
@@ -477,3 +482,59 @@ def _check_depth(b: int, next_token: list[int], next_sibling: list[int], info: M
             f"back only {limit} (an outlines_core.Guide built with max_rollback={limit}); "
             f"build its Guide with max_rollback >= {depth}"
         )
+
+
+# -- chains the compiled helper walks itself ---------------------------------------------------
+def walk_chain_table(
+    mask: np.ndarray,
+    tokens: np.ndarray,
+    table: np.ndarray,
+    limit: int,
+    stop_ids: np.ndarray,
+    valid: np.ndarray | None,
+) -> tuple[int, int, list[tuple[int, float]]]:
+    """Walk and repair chains of xgrammar matchers with the compiled helper's
+    ``walk_chains`` (xgrammar's C++ traversal through tvm-ffi's C ABI, GIL released).
+
+    ``table``: int64 ``[chains, 4]``, per chain its first row in ``mask`` (int32 ``[rows,
+    words]``), its first token in ``tokens`` (int64, root first), its length and its matcher's
+    :func:`portable_spec.native.xgrammar_handle` (0: no matcher, all-allowed rows). With
+    :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more than one library thread, the
+    chains are cut into parts walked on the pool at once. ``valid`` (bool ``[rows]``) gets
+    the accepted nodes. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
+    seconds)`` of each chain. Blocks until every chain is done; a matcher xgrammar refuses
+    raises :class:`MatcherError` naming its chain's index, every matcher back in its state.
+    """
+    helper = native.native
+    chains = len(table)
+    seconds = np.zeros(chains, dtype=np.float64)
+    rows = int(table[:, 2].sum()) if chains > 16 else sum(int(n) for n in table[:, 2])
+    parts = min(get_num_threads(), chains) if rows >= CHAIN_TABLE_PARALLEL_ROWS else 1
+    bounds = _balanced_cuts(table[:, 2], parts) if parts > 1 else [0, chains]
+    counts = np.zeros((len(bounds) - 1, 2), dtype=np.int64)
+
+    def walk_part(i: int) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        checked, refused, failed, message = helper.walk_chains(  # type: ignore[union-attr]
+            mask, tokens, table[lo:hi], limit, stop_ids, 0, valid, seconds[lo:hi]
+        )
+        counts[i] = checked, refused
+        if failed >= 0:
+            raise MatcherError(lo + failed, RuntimeError(message))
+
+    try:
+        run_indexed(walk_part, len(bounds) - 1, parallel=len(bounds) > 2)
+    except WorkItemError as exc:
+        if isinstance(exc.error, MatcherError):
+            raise exc.error from exc.error.error
+        raise exc.error from exc
+    checked, refused = (int(n) for n in counts.sum(axis=0))
+    return checked, refused, list(enumerate(seconds.tolist()))
+
+
+def _balanced_cuts(lengths: np.ndarray, parts: int) -> list[int]:
+    """Cut points ``[0, ..., len(lengths)]`` of ``parts`` runs of about as many rows each."""
+    ends = np.cumsum(lengths)
+    targets = ends[-1] * np.arange(1, parts) / parts
+    cuts = np.searchsorted(ends, targets, side="left") + 1
+    return [0, *sorted(set(int(c) for c in cuts if 0 < c < len(lengths))), len(lengths)]

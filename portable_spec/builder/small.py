@@ -120,7 +120,7 @@ def small_chains(
     stops = infos[0].stop_set
     if all(handles) and all(i.stop_set == stops for i in infos):
         checked, rejected, walks = _walk_in_one_call(
-            native, mask, tokens, spans, handles, vocab_size, infos[0].stop_ids, accepted
+            mask, tokens, spans, handles, vocab_size, infos[0].stop_ids, accepted
         )
     else:
         checked, rejected, walks = _walk_each(
@@ -140,7 +140,6 @@ def small_chains(
 
 
 def _walk_in_one_call(
-    native: Any,
     mask: np.ndarray,
     tokens: np.ndarray,
     spans: list[tuple[int, int]],
@@ -149,18 +148,12 @@ def _walk_in_one_call(
     stop_ids: np.ndarray,
     accepted: np.ndarray | None,
 ) -> tuple[int, int, list[tuple[int, float]]]:
-    """Every chain walked and repaired by the compiled helper in one call (rows and tokens
-    share their offsets here). Returns ``(checked, rejected, walks)``."""
+    """Every chain walked and repaired by the compiled helper (rows and tokens share their
+    offsets here). Returns ``(checked, rejected, walks)``."""
     table = np.array(
         [(row, row, n, h) for (row, n), h in zip(spans, handles, strict=False)], dtype=np.int64
     )
-    seconds = np.empty(len(handles), dtype=np.float64)
-    checked, rejected, failed, message = native.walk_chains(
-        mask, tokens, table, limit, stop_ids, 0, accepted, seconds
-    )
-    if failed >= 0:
-        raise MatcherError(failed, RuntimeError(message))
-    return checked, rejected, list(enumerate(seconds.tolist()))
+    return jobs.walk_chain_table(mask, tokens, table, limit, stop_ids, accepted)
 
 
 def _walk_each(

@@ -1,0 +1,431 @@
+"""xgrammar's matcher methods called by the compiled helper through tvm-ffi's C ABI.
+
+The rows it writes are checked against a per-node replay on fresh matchers (and against
+xgrammar's own Python binding, the independent path it replaces); the GIL is shown released
+without any clock; malformed calls are refused before xgrammar sees them; a signature the
+helper does not know leaves xgrammar's Python binding in use.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+from _oracle import Request, expected_accepted, expected_rows, fill_row, matcher_state
+
+import portable_spec as ps
+import portable_spec.native as native_module
+from portable_spec.builder import small
+
+native = native_module.native
+compiled_only = pytest.mark.skipif(native is None, reason="portable_spec._native is not built here")
+
+
+def _bits(row):
+    return (row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)).reshape(-1) & 1
+
+
+def _random_chain(rng, vocab, length):
+    """(request, drafts): a JSON-schema request after a random valid prefix, then up to
+    ``length`` drafts that follow the grammar, one of them sometimes refused or the end token."""
+    compiled = vocab.grammars["json_schema"]
+    probe = Request(compiled).fresh()
+    prefix = []
+    for _ in range(rng.randrange(12)):
+        allowed = [
+            t
+            for t in np.flatnonzero(_bits(fill_row(probe, vocab.words, vocab.size)))
+            if t != vocab.eos
+        ]
+        if not allowed:
+            break
+        t = int(rng.choice(allowed))
+        assert probe.accept_token(t)
+        prefix.append(t)
+    drafts = []
+    while len(drafts) < length and not probe.is_terminated():
+        row = fill_row(probe, vocab.words, vocab.size)
+        allowed = np.flatnonzero(_bits(row)[: vocab.size]).tolist()
+        roll = rng.random()
+        if roll < 0.1 and vocab.eos in allowed:
+            drafts.append(vocab.eos)
+            break
+        if roll < 0.25 or not allowed:
+            drafts.append(rng.randrange(-2, vocab.size + 3))  # mostly refused, maybe out of range
+            continue
+        t = int(rng.choice(allowed))
+        assert probe.accept_token(t)
+        drafts.append(t)
+    return Request(compiled, prefix), drafts
+
+
+def _links(n):
+    return np.array([*range(1, n), -1], dtype=np.int64), np.full(n, -1, dtype=np.int64)
+
+
+@compiled_only
+def test_bound_on_the_installed_xgrammar(smollm2):
+    """The installed xgrammar (tvm-ffi 0.1) is bound: a real matcher has a handle."""
+    matcher = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    assert native_module.xgrammar_handle(matcher) != 0
+    assert native_module.xgrammar_handle(object()) == 0
+
+
+@compiled_only
+def test_traverse_matches_the_python_binding_and_the_oracle(smollm2):
+    """Random chains: the direct call writes the rows xgrammar's Python binding writes, every
+    accepted, live node's row is the replay's, and the matcher ends where it started."""
+    rng = random.Random(1)
+    probes = list(range(0, smollm2.size, 997))
+    for _ in range(30):
+        request, drafts = _random_chain(rng, smollm2, rng.randrange(1, 7))
+        draft = np.array([0, *[max(t, 0) for t in drafts]], dtype=np.int64)
+        nt, ns = _links(len(draft))
+        direct = np.full((len(draft), smollm2.words), 7, dtype=np.int32)
+        binding = direct.copy()
+        matcher = request.native()
+        before = matcher_state(matcher, probes, smollm2.words)
+        native_module.traverse_xgrammar(matcher, nt, ns, draft, direct)
+        assert matcher_state(matcher, probes, smollm2.words) == before
+        request.native().traverse_draft_tree(nt, ns, draft, binding)
+        np.testing.assert_array_equal(direct, binding)
+        want = expected_rows(
+            request.fresh, nt.tolist(), ns.tolist(), draft.tolist(), smollm2.size, smollm2.words
+        )
+        accepted = expected_accepted(
+            request.fresh, nt.tolist(), ns.tolist(), draft.tolist(), smollm2.size, smollm2.words
+        )
+        for j in range(len(draft)):
+            if accepted[j] and not (want[j] == -1).all():
+                np.testing.assert_array_equal(direct[j], want[j])
+
+
+def _terminated_request(vocab):
+    """A request whose matcher has accepted a whole document and the end token."""
+    compiled = vocab.compiler.compile_grammar('root ::= "{}"')
+    probe = xgr.GrammarMatcher(compiled)
+    prefix = []
+    while not probe.is_terminated():
+        allowed = np.flatnonzero(_bits(fill_row(probe, vocab.words, vocab.size))[: vocab.size])
+        t = vocab.eos if vocab.eos in allowed else int(allowed[0])
+        assert probe.accept_token(t)
+        prefix.append(t)
+    return Request(compiled, prefix)
+
+
+def _walk_case(rng, vocab, batch, with_absent=True):
+    """Requests, their drafts, the packed tokens and a walk_chains span table."""
+    requests, matchers, rows_of, table, tokens = [], [], [], [], []
+    for _b in range(batch):
+        request, drafts = _random_chain(rng, vocab, rng.randrange(0, 6))
+        if rng.random() < 0.15:  # a terminated matcher: its rows are all-allowed
+            request = _terminated_request(vocab)
+        matcher = request.native()
+        absent = with_absent and rng.random() < 0.1
+        start = len(tokens)
+        tokens.extend([0, *drafts])
+        requests.append(None if absent else request)
+        matchers.append(matcher)
+        handle = 0 if absent else native_module.xgrammar_handle(matcher)
+        table.append((start, start, len(drafts) + 1, handle))
+        rows_of.append(drafts)
+    return (
+        requests,
+        matchers,
+        rows_of,
+        np.array(table, dtype=np.int64),
+        np.array(tokens, dtype=np.int64),
+    )
+
+
+def _expected_chain(request, drafts, vocab, repeat):
+    n = len(drafts) + 1
+    nt, ns = [*range(1, n), -1], [-1] * n
+    dt = [0, *drafts]
+    if request is None:
+        return np.full((n, vocab.words), -1, dtype=np.int32), [True] + [False] * (n - 1)
+    rows = expected_rows(request.fresh, nt, ns, dt, vocab.size, vocab.words)
+    accepted = expected_accepted(request.fresh, nt, ns, dt, vocab.size, vocab.words)
+    if repeat:  # vLLM's rule: a refused draft repeats the row before it on every later row
+        for j in range(1, n):
+            if not accepted[j]:
+                m = request.fresh()
+                live = not m.is_terminated()
+                for t in drafts[: j - 1]:
+                    live = live and m.accept_token(t) and not m.is_terminated()
+                if live:
+                    rows[j:] = rows[j - 1]
+                break
+    return rows, accepted
+
+
+@compiled_only
+@pytest.mark.parametrize("repeat", [0, 1])
+def test_walk_chains_matches_the_oracle(smollm2, repeat):
+    """A batch of chains (live, terminated and absent matchers) walked in one call: rows,
+    valid flags and counts as the replay says; every matcher back in its state."""
+    rng = random.Random(10 + repeat)
+    probes = list(range(0, smollm2.size, 1013))
+    for _ in range(6):
+        requests, matchers, drafts, table, tokens = _walk_case(rng, smollm2, rng.randrange(1, 9))
+        rows = np.full((len(tokens), smollm2.words), 5, dtype=np.int32)
+        valid = np.zeros(len(tokens), dtype=bool)
+        seconds = np.full(len(matchers), -1.0)
+        before = [matcher_state(m, probes, smollm2.words) for m in matchers]
+        stops = np.array([smollm2.eos], dtype=np.int64)
+        checked, rejected, failed, message = native.walk_chains(
+            rows, tokens, table, smollm2.size, stops, repeat, valid, seconds
+        )
+        assert (failed, message) == (-1, None)
+        assert [matcher_state(m, probes, smollm2.words) for m in matchers] == before
+        assert (seconds >= 0).all()
+        want_checked = want_rejected = 0
+        for b, (request, chain) in enumerate(zip(requests, drafts, strict=True)):
+            start, n = int(table[b, 0]), len(chain) + 1
+            want, accepted = _expected_chain(request, chain, smollm2, repeat)
+            np.testing.assert_array_equal(rows[start : start + n], want, err_msg=f"request {b}")
+            assert valid[start : start + n].tolist() == accepted, f"request {b}"
+            if request is not None and not matchers[b].is_terminated():
+                for j in range(1, n):  # the helper's counts: drafts asked about, drafts refused
+                    want_checked += 1
+                    if not accepted[j]:
+                        want_rejected += 1
+                        break
+                    if chain[j - 1] == smollm2.eos:
+                        break
+        assert (checked, rejected) == (want_checked, want_rejected)
+
+
+@compiled_only
+def test_the_gil_is_released_during_the_walk(smollm2):
+    """Another Python thread runs while one walk_chains call is in progress. The switch
+    interval is set so high that the walking thread never hands the GIL over on its own: the
+    other thread can only run inside the call if the call releases the GIL."""
+    rng = random.Random(3)
+    _requests, _matchers, _, table, tokens = _walk_case(rng, smollm2, 8, with_absent=False)
+    rows = np.zeros((len(tokens), smollm2.words), dtype=np.int32)
+    stops = np.array([smollm2.eos], dtype=np.int64)
+    inside = False
+    seen = 0
+    stop = False
+
+    def watch():  # hands the GIL back at every turn, so the walking thread never waits long
+        nonlocal seen
+        while not stop:
+            if inside:
+                seen += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        sys.setswitchinterval(1000.0)
+        for _ in range(2000):
+            inside = True
+            native.walk_chains(rows, tokens, table, smollm2.size, stops, 0)
+            inside = False
+            if seen:
+                break
+    finally:
+        sys.setswitchinterval(interval)
+        stop = True
+        watcher.join(600)
+    assert seen > 0
+
+
+@compiled_only
+def test_malformed_calls_are_refused_before_xgrammar(smollm2):
+    matcher = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    handle = native_module.xgrammar_handle(matcher)
+    rows = np.zeros((2, smollm2.words), dtype=np.int32)
+    tokens = np.zeros(2, dtype=np.int64)
+    stops = np.zeros(0, dtype=np.int64)
+    table = np.array([[0, 0, 2, handle]], dtype=np.int64)
+    for bad in ([[1, 0, 2, handle]], [[0, 1, 2, handle]], [[0, 0, 0, handle]], [[0, 0, 2]]):
+        with pytest.raises(ValueError, match="spans out of bounds or malformed"):
+            native.walk_chains(rows, tokens, np.array(bad, dtype=np.int64), 64, stops, 0)
+    other = xgr.GrammarMatcher(smollm2.grammars["json_schema"])._handle
+    compiled_handle = smollm2.grammars["json_schema"]._handle.__chandle__()
+    assert other.__chandle__() != 0
+    with pytest.raises(TypeError, match="not the handle of an xgrammar GrammarMatcher"):
+        native.walk_chains(
+            rows, tokens, np.array([[0, 0, 2, compiled_handle]], dtype=np.int64), 64, stops, 0
+        )
+    with pytest.raises(TypeError, match="valid must be"):
+        native.walk_chains(rows, tokens, table, 64, stops, 0, np.zeros(3, dtype=bool))
+    with pytest.raises(TypeError, match="seconds must be"):
+        native.walk_chains(rows, tokens, table, 64, stops, 0, None, np.zeros(1, dtype=np.float32))
+    with pytest.raises(TypeError, match="rows must be a 2-D int32 array"):
+        native.walk_chains(rows.astype(np.int64), tokens, table, 64, stops, 0)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.xgrammar_traverse(handle, *_links(2), np.zeros(3, np.int64), rows)
+    assert not matcher.is_terminated() and matcher_state(
+        matcher, [0, 90], smollm2.words
+    ) == matcher_state(xgr.GrammarMatcher(smollm2.grammars["json_schema"]), [0, 90], smollm2.words)
+
+
+@compiled_only
+def test_an_xgrammar_error_names_its_chain_and_moves_no_matcher(smollm2):
+    """Rows of a width xgrammar does not take: xgrammar refuses, the failing chain is named
+    with xgrammar's message, and the matchers stay in their states."""
+    rng = random.Random(5)
+    _requests, matchers, _, table, tokens = _walk_case(rng, smollm2, 3, with_absent=False)
+    probes = [0, 90, 1000]
+    before = [matcher_state(m, probes, smollm2.words) for m in matchers]
+    rows = np.zeros((len(tokens), smollm2.words + 1), dtype=np.int32)
+    live = [b for b, m in enumerate(matchers) if not m.is_terminated()]
+    _checked, _rejected, failed, message = native.walk_chains(
+        rows, tokens, table, smollm2.size, np.zeros(0, np.int64), 0
+    )
+    assert failed == live[0] and isinstance(message, str) and message
+    assert [matcher_state(m, probes, smollm2.words) for m in matchers] == before
+    with pytest.raises(RuntimeError):
+        native.xgrammar_traverse(
+            native_module.xgrammar_handle(matchers[live[0]]),
+            *_links(1),
+            np.zeros(1, np.int64),
+            rows[:1],
+        )
+
+
+def test_an_unknown_signature_keeps_the_python_binding(smollm2, monkeypatch):
+    """A matcher type whose methods say something the helper does not expect is not bound
+    (and ``PORTABLE_SPEC_XGRAMMAR_FFI=0`` declines too): no handle, xgrammar's binding walks."""
+    matcher = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    monkeypatch.setattr(native_module, "_bound_types", {})
+    monkeypatch.setitem(native_module._XGRAMMAR_METHODS, "is_terminated", ["int"])
+    assert native_module.xgrammar_handle(matcher) == 0
+    monkeypatch.setattr(native_module, "_bound_types", {})
+    monkeypatch.setitem(native_module._XGRAMMAR_METHODS, "is_terminated", [])
+    monkeypatch.setenv("PORTABLE_SPEC_XGRAMMAR_FFI", "0")
+    assert native_module.xgrammar_handle(matcher) == 0
+    rows = np.zeros((2, smollm2.words), dtype=np.int32)
+    native_module.traverse_xgrammar(matcher, *_links(2), np.array([0, 90], np.int64), rows)
+    assert (rows[0] != 0).any()
+
+
+@compiled_only
+@pytest.mark.parametrize("direct", [True, False])
+def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
+    """The small-call path of build_host_bitmask: one helper call when every matcher has a
+    handle, else one binding call per request; the rows and valid flags are the replay's."""
+    if not direct:
+        monkeypatch.setattr(native_module, "xgrammar_handle", lambda matcher: 0)
+    calls = {"one": 0, "each": 0}
+    one, each = small._walk_in_one_call, small._walk_each
+
+    def spy_one(*args):
+        calls["one"] += 1
+        return one(*args)
+
+    def spy_each(*args):
+        calls["each"] += 1
+        return each(*args)
+
+    monkeypatch.setattr(small, "_walk_in_one_call", spy_one)
+    monkeypatch.setattr(small, "_walk_each", spy_each)
+    rng = random.Random(20)
+    for _ in range(4):
+        batch, k = rng.randrange(1, 5), rng.randrange(1, 5)
+        pairs = [_random_chain(rng, smollm2, k) for _ in range(batch)]
+        chains = np.array(
+            [[0, *[max(t, -1) for t in d], *[-1] * (k - len(d))] for _, d in pairs], dtype=np.int64
+        )
+        chains[chains < 0] = smollm2.size + 5  # out of range: refused, never a padding link
+        matchers = [request.native() for request, _ in pairs]
+        for m in matchers:
+            ps.build_host_bitmask(
+                [m], ps.GrammarTree.from_linear_chain(np.zeros((1, 1), np.int64)), smollm2.size
+            )
+        mask, valid = ps.build_host_bitmask(
+            matchers, ps.GrammarTree.from_linear_chain(chains), smollm2.size, return_valid=True
+        )
+        nt, ns = _links(k + 1)
+        for b, (request, _) in enumerate(pairs):
+            dt = chains[b].tolist()
+            want = expected_rows(
+                request.fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
+            )
+            np.testing.assert_array_equal(mask[b * (k + 1) : (b + 1) * (k + 1)], want)
+            assert valid[b].tolist() == expected_accepted(
+                request.fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
+            )
+    assert calls == ({"one": 4, "each": 0} if direct else {"one": 0, "each": 4})
+
+
+@compiled_only
+def test_large_chain_batches_are_walked_in_parts_on_the_pool(smollm2, monkeypatch):
+    """Chains past the parallel bound are cut into parts walked at once on the pool; every
+    row, flag and unconstrained request is as the replay says."""
+    from portable_spec.builder import jobs
+
+    parts = []
+    cuts = jobs._balanced_cuts
+
+    def spy(lengths, count):
+        parts.append(cuts(lengths, count))
+        return parts[-1]
+
+    monkeypatch.setattr(jobs, "_balanced_cuts", spy)
+    rng = random.Random(30)
+    k = 4
+    pairs = [_random_chain(rng, smollm2, k) for _ in range(24)]
+    chains = np.array(
+        [[0, *d, *[smollm2.size + 1] * (k - len(d))] for _, d in pairs], dtype=np.int64
+    )
+    chains[chains < 0] = smollm2.size + 2
+    matchers = [None if b % 7 == 3 else request.native() for b, (request, _) in enumerate(pairs)]
+    for m in matchers:
+        if m is not None:
+            ps.build_host_bitmask(
+                [m], ps.GrammarTree.from_linear_chain(np.zeros((1, 1), np.int64)), smollm2.size
+            )
+    previous = ps.get_num_threads()
+    ps.set_num_threads(2)
+    try:
+        mask, valid = ps.build_host_bitmask(
+            matchers, ps.GrammarTree.from_linear_chain(chains), smollm2.size, return_valid=True
+        )
+    finally:
+        ps.set_num_threads(previous)
+    assert len(chains) * (k + 1) >= jobs.CHAIN_TABLE_PARALLEL_ROWS
+    assert len(parts) == 1 and len(parts[0]) == 3 and parts[0][0] == 0 and parts[0][-1] == 24
+    nt, ns = _links(k + 1)
+    for b, (request, _) in enumerate(pairs):
+        dt = chains[b].tolist()
+        fresh = None if matchers[b] is None else request.fresh
+        want = expected_rows(fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words)
+        np.testing.assert_array_equal(
+            mask[b * (k + 1) : (b + 1) * (k + 1)], want, err_msg=f"request {b}"
+        )
+        assert valid[b].tolist() == expected_accepted(
+            fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
+        )
+
+
+@compiled_only
+def test_a_refusal_in_a_later_part_names_its_request(smollm2):
+    """The parts report chain indices of the whole table: xgrammar refusing the rows of the
+    first live chain in the second part names that chain."""
+    from portable_spec.builder import jobs
+
+    matchers = [xgr.GrammarMatcher(smollm2.grammars["json_schema"]) for _ in range(12)]
+    n = 5
+    handles = [0] * 6 + [native_module.xgrammar_handle(m) for m in matchers[6:]]
+    table = np.array([(b * n, b * n, n, h) for b, h in enumerate(handles)], dtype=np.int64)
+    tokens = np.zeros(12 * n, dtype=np.int64)
+    rows = np.zeros((12 * n, smollm2.words + 1), dtype=np.int32)  # a width xgrammar refuses
+    previous = ps.get_num_threads()
+    ps.set_num_threads(2)
+    try:
+        with pytest.raises(ps.MatcherError) as raised:
+            jobs.walk_chain_table(rows, tokens, table, smollm2.size, np.zeros(0, np.int64), None)
+    finally:
+        ps.set_num_threads(previous)
+    assert raised.value.request_index == 6
