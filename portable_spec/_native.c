@@ -65,12 +65,13 @@
  *       Walk and repair many chains in one call, the GIL released: `spans` as for
  *       repair_chains, the fourth column a matcher handle (0: no matcher, every row
  *       all-allowed). A live matcher's chain is filled by traverse_draft_tree, then repaired
- *       as repair_chains does; `valid` (bool [R]) receives which nodes the grammar accepts
- *       (the root, then each draft whose bit is set in the row before it, up to the first
- *       refused one; a stop token is accepted and ends the chain; only the root of a
- *       terminated or absent matcher). Stops at the first matcher xgrammar refuses:
- *       `failed` is its chain's index (-1 when none) and `message` xgrammar's words; the
- *       chains before it are walked and repaired, the ones from it on untouched.
+ *       as repair_chains does (`spans` may also be a list of 4-tuples); `valid` (bool [R])
+ *       receives which nodes the grammar accepts (the root, then each draft whose bit is set
+ *       in the row before it, up to the first refused one; a stop token is accepted and ends
+ *       the chain; only the root of a terminated or absent matcher). Stops at the first
+ *       matcher xgrammar refuses: `failed` is its chain's index (-1 when none) and `message`
+ *       xgrammar's words; the chains before it are walked and repaired, the ones from it on
+ *       untouched.
  *       `seconds` (float64 [chains]), when given, receives each chain's walk and repair time.
  *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
@@ -763,6 +764,52 @@ fail_nt:
     return NULL;
 }
 
+/* The span table of walk_chains as a PyMem copy of chains * 4 int64: from a C-contiguous
+   int64 [chains, 4] buffer, or from a list of 4-tuples of ints (cheaper to make for a few
+   chains than an array). NULL with a Python error on anything else. */
+static int64_t *read_spans(PyObject *obj, Py_ssize_t *chains) {
+    int64_t *out = NULL;
+    if (PyList_Check(obj)) {
+        Py_ssize_t n = PyList_GET_SIZE(obj);
+        out = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)(n > 0 ? n : 1));
+        if (out == NULL) return (int64_t *)PyErr_NoMemory();
+        for (Py_ssize_t c = 0; c < n; c++) {
+            PyObject *item = PyList_GET_ITEM(obj, c);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+                PyMem_Free(out);
+                PyErr_SetString(PyExc_ValueError, "walk_chains: spans out of bounds or malformed");
+                return NULL;
+            }
+            for (int k = 0; k < 4; k++) {
+                long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(item, k));
+                if (v == -1 && PyErr_Occurred()) {
+                    PyMem_Free(out);
+                    return NULL;
+                }
+                out[4 * c + k] = (int64_t)v;
+            }
+        }
+        *chains = n;
+        return out;
+    }
+    Py_buffer spans;
+    if (get_buffer(obj, &spans, 0, 'i', 8, 2, "spans") != 0) return NULL;
+    if (spans.shape[1] != 4) {
+        PyBuffer_Release(&spans);
+        PyErr_SetString(PyExc_ValueError, "walk_chains: spans out of bounds or malformed");
+        return NULL;
+    }
+    *chains = spans.shape[0];
+    out = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)(*chains > 0 ? *chains : 1));
+    if (out == NULL) {
+        PyBuffer_Release(&spans);
+        return (int64_t *)PyErr_NoMemory();
+    }
+    memcpy(out, spans.buf, sizeof(int64_t) * 4 * (size_t)*chains);
+    PyBuffer_Release(&spans);
+    return out;
+}
+
 static PyObject *walk_chains(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *tokens_obj, *spans_obj, *stops_obj, *valid_obj = Py_None;
     PyObject *seconds_obj = Py_None;
@@ -775,17 +822,18 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
         return NULL;
     }
-    Py_buffer rows, tokens, spans, stops, valid, seconds;
+    Py_buffer rows, tokens, stops, valid, seconds;
+    Py_ssize_t chains = 0;
+    int64_t *sp = NULL;
     int has_valid = valid_obj != Py_None, has_seconds = seconds_obj != Py_None;
     if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
     if (get_buffer(tokens_obj, &tokens, 0, 'i', 8, 1, "tokens") != 0) goto fail_rows;
-    if (get_buffer(spans_obj, &spans, 0, 'i', 8, 2, "spans") != 0) goto fail_tokens;
+    if ((sp = read_spans(spans_obj, &chains)) == NULL) goto fail_tokens;
     if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
     Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], ntok = tokens.shape[0];
     if (has_valid && get_flags(valid_obj, &valid, nrows) != 0) goto fail_stops;
-    Py_ssize_t chains = spans.shape[0], longest = 1;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    int bad = spans.shape[1] != 4 || limit > (long long)words * 32;
+    Py_ssize_t longest = 1;
+    int bad = limit > (long long)words * 32;
     for (Py_ssize_t c = 0; c < chains && !bad; c++) {
         int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
         bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > ntok - n;
@@ -894,7 +942,7 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
     if (has_seconds) PyBuffer_Release(&seconds);
     if (has_valid) PyBuffer_Release(&valid);
     PyBuffer_Release(&stops);
-    PyBuffer_Release(&spans);
+    PyMem_Free(sp);
     PyBuffer_Release(&tokens);
     PyBuffer_Release(&rows);
     if (failed < 0) return Py_BuildValue("nnnO", checked, rejected, failed, Py_None);
@@ -909,7 +957,7 @@ fail_valid:
 fail_stops:
     PyBuffer_Release(&stops);
 fail_spans:
-    PyBuffer_Release(&spans);
+    PyMem_Free(sp);
 fail_tokens:
     PyBuffer_Release(&tokens);
 fail_rows:

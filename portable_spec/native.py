@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "bound_helper",
     "keep_rows",
     "links_valid",
     "native",
@@ -261,6 +262,12 @@ def xgrammar_handle(matcher: Any) -> int:
         bound = _bound_types[kind] = _bind_xgrammar(helper, kind)
     # the binding lives in the helper that took it: another one standing in has none
     return handle.__chandle__() if bound and helper is _bound_helper[0] else 0  # type: ignore[no-any-return]
+
+
+def bound_helper() -> ModuleType | None:
+    """The compiled helper holding the binding of xgrammar's methods (``None`` until a matcher
+    was bound): a handle is usable with this helper only."""
+    return _bound_helper[0]
 
 
 def traverse_xgrammar(

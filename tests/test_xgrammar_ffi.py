@@ -257,6 +257,11 @@ def test_malformed_calls_are_refused_before_xgrammar(smollm2):
         native.walk_chains(
             rows, tokens, np.array([[0, 0, 2, compiled_handle]], dtype=np.int64), 64, stops, 0
         )
+    for bad in ([(0, 0, 2)], [[0, 0, 2, handle]], [(1, 0, 2, handle)]):  # the list form
+        with pytest.raises(ValueError, match="spans out of bounds or malformed"):
+            native.walk_chains(rows, tokens, bad, 64, stops, 0)
+    with pytest.raises(TypeError):
+        native.walk_chains(rows, tokens, [(0, 0, 2, "handle")], 64, stops, 0)
     with pytest.raises(TypeError, match="valid must be"):
         native.walk_chains(rows, tokens, table, 64, stops, 0, np.zeros(3, dtype=bool))
     with pytest.raises(TypeError, match="seconds must be"):
@@ -316,19 +321,20 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
     """The small-call path of build_host_bitmask: one helper call when every matcher has a
     handle, else one binding call per request; the rows and valid flags are the replay's."""
     if not direct:
-        monkeypatch.setattr(native_module, "xgrammar_handle", lambda matcher: 0)
+        monkeypatch.setattr(native_module, "_bound_helper", [None])  # as if never bound
     calls = {"one": 0, "each": 0}
-    one, each = small._walk_in_one_call, small._walk_each
+    counted = dict(calls)
+    each, walk = small._walk_each, native.walk_chains
 
     def spy_one(*args):
         calls["one"] += 1
-        return one(*args)
+        return walk(*args)
 
     def spy_each(*args):
         calls["each"] += 1
         return each(*args)
 
-    monkeypatch.setattr(small, "_walk_in_one_call", spy_one)
+    monkeypatch.setattr(native, "walk_chains", spy_one)
     monkeypatch.setattr(small, "_walk_each", spy_each)
     rng = random.Random(20)
     for _ in range(4):
@@ -343,9 +349,12 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
             ps.build_host_bitmask(
                 [m], ps.GrammarTree.from_linear_chain(np.zeros((1, 1), np.int64)), smollm2.size
             )
+        before = dict(calls)  # the probing builds above take the general path
         mask, valid = ps.build_host_bitmask(
             matchers, ps.GrammarTree.from_linear_chain(chains), smollm2.size, return_valid=True
         )
+        for name in calls:
+            counted[name] += calls[name] - before[name]
         nt, ns = _links(k + 1)
         for b, (request, _) in enumerate(pairs):
             dt = chains[b].tolist()
@@ -356,7 +365,7 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
             assert valid[b].tolist() == expected_accepted(
                 request.fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
             )
-    assert calls == ({"one": 4, "each": 0} if direct else {"one": 0, "each": 4})
+    assert counted == ({"one": 4, "each": 0} if direct else {"one": 0, "each": 4})
 
 
 @compiled_only
@@ -425,7 +434,9 @@ def test_a_refusal_in_a_later_part_names_its_request(smollm2):
     ps.set_num_threads(2)
     try:
         with pytest.raises(ps.MatcherError) as raised:
-            jobs.walk_chain_table(rows, tokens, table, smollm2.size, np.zeros(0, np.int64), None)
+            jobs.walk_chain_table(
+                rows, tokens, table, smollm2.size, np.zeros(0, np.int64), None, 12 * n
+            )
     finally:
         ps.set_num_threads(previous)
     assert raised.value.request_index == 6

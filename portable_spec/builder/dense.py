@@ -222,7 +222,12 @@ def _chain_table(build: Build, words: int) -> np.ndarray | None:
     request is an xgrammar matcher the compiled helper can call, of the mask's width, with
     the same stop tokens; ``None`` for any other build."""
     tree = build.tree
-    if not (tree.is_chain or tree.is_packed) or native.native is None:
+    helper = native.native
+    if (
+        not (tree.is_chain or tree.is_packed)
+        or helper is None
+        or helper is not native.bound_helper()
+    ):
         return None
     nodes = tree.nodes
     stops = None
@@ -236,7 +241,7 @@ def _chain_table(build: Build, words: int) -> np.ndarray | None:
                 return None
             if stops is None:
                 stops = info.stop_set
-            handle = native.xgrammar_handle(build.grammars[b])
+            handle = info.handle
             if not handle or info.stop_set != stops:
                 return None
         table.append((start, b * nodes, n, handle))
@@ -253,7 +258,9 @@ def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any
     limit = min(build.vocab_size, info.vocab_size)  # type: ignore[union-attr]
     tokens = build.arrays[2].reshape(-1)
     stop_ids = info.stop_ids  # type: ignore[union-attr]
-    checked, rejected, walks = jobs.walk_chain_table(mask, tokens, table, limit, stop_ids, accepted)
+    checked, rejected, walks = jobs.walk_chain_table(
+        mask, tokens, table, limit, stop_ids, accepted, tree.rows
+    )
     if accepted is not None:
         for b, kind in enumerate(build.kinds):
             if kind == NONE:  # every node of an unconstrained chain is accepted

@@ -492,13 +492,15 @@ def walk_chain_table(
     limit: int,
     stop_ids: np.ndarray,
     valid: np.ndarray | None,
+    rows: int,
 ) -> tuple[int, int, list[tuple[int, float]]]:
     """Walk and repair chains of xgrammar matchers with the compiled helper's
     ``walk_chains`` (xgrammar's C++ traversal through tvm-ffi's C ABI, GIL released).
 
     ``table``: int64 ``[chains, 4]``, per chain its first row in ``mask`` (int32 ``[rows,
     words]``), its first token in ``tokens`` (int64, root first), its length and its matcher's
-    :func:`portable_spec.native.xgrammar_handle` (0: no matcher, all-allowed rows). With
+    :func:`portable_spec.native.xgrammar_handle` (0: no matcher, all-allowed rows); ``rows``
+    the sum of their lengths. With
     :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more than one library thread, the
     chains are cut into parts walked on the pool at once. ``valid`` (bool ``[rows]``) gets
     the accepted nodes. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
@@ -508,9 +510,17 @@ def walk_chain_table(
     helper = native.native
     chains = len(table)
     seconds = np.zeros(chains, dtype=np.float64)
-    rows = int(table[:, 2].sum()) if chains > 16 else sum(int(n) for n in table[:, 2])
-    parts = min(get_num_threads(), chains) if rows >= CHAIN_TABLE_PARALLEL_ROWS else 1
-    bounds = _balanced_cuts(table[:, 2], parts) if parts > 1 else [0, chains]
+    parts = 1
+    if rows >= CHAIN_TABLE_PARALLEL_ROWS and chains > 1:
+        parts = min(get_num_threads(), chains)
+    if parts == 1:  # the common small call: no pool, no closure
+        checked, refused, failed, message = helper.walk_chains(  # type: ignore[union-attr]
+            mask, tokens, table, limit, stop_ids, 0, valid, seconds
+        )
+        if failed >= 0:
+            raise MatcherError(failed, RuntimeError(message))
+        return checked, refused, list(enumerate(seconds.tolist()))
+    bounds = _balanced_cuts(table[:, 2], parts)
     counts = np.zeros((len(bounds) - 1, 2), dtype=np.int64)
 
     def walk_part(i: int) -> None:

@@ -60,14 +60,15 @@ def small_chains(
     (nothing written, no matcher moved): the general path then checks everything and raises
     what it must."""
     native = compiled.native
-    batch = tree.batch
+    # the tree's own fields, read once: each property or method call costs microseconds here
+    batch, nodes, packed = tree.batch, tree.nodes, tree._packed
     if (
         native is None
-        or not (tree.is_chain or tree.is_packed)
+        or not (tree._chain or packed)
         or type(grammars) is not list
         or len(grammars) != batch
         or not 0 < batch <= SMALL_CHAIN_BATCH
-        or tree.nodes > jobs.INLINE_CHAIN_NODES
+        or nodes > jobs.INLINE_CHAIN_NODES
         or type(vocab_size) is not int
         or vocab_size <= 0
         or pending_builds()
@@ -76,7 +77,6 @@ def small_chains(
         return None
     words = (vocab_size + 31) >> 5
     infos = []
-    handles = []
     for g in grammars:
         if _kind_by_type.get(type(g)) != XGRAMMAR:
             return None
@@ -84,7 +84,6 @@ def small_chains(
         if info is None or info.words != words:
             return None
         infos.append(info)
-        handles.append(compiled.xgrammar_handle(g))
     if batch > 1 and len({id(g) for g in grammars}) != batch:
         return None
     rows = tree.rows
@@ -101,7 +100,6 @@ def small_chains(
     else:
         return None
     started = perf_counter()
-    packed = tree.is_packed
     tokens = tree.host_chain_tokens()
     if tokens is None:  # staged, another dtype or layout: the tree's own int64 copy
         if packed:
@@ -111,17 +109,34 @@ def small_chains(
     if packed:
         firsts = tree.offsets.tolist()  # type: ignore[union-attr]
         spans = tree.spans()
+    elif batch == 1:
+        tokens = tokens.reshape(-1)
+        firsts = (0,)
+        spans = [(0, nodes)]
     else:
-        nodes = tree.nodes
         tokens = tokens.reshape(-1)
         firsts = range(0, rows + 1, nodes)
         spans = [(f, nodes) for f in firsts]
     accepted = np.empty(rows, dtype=bool) if return_valid else None
-    stops = infos[0].stop_set
-    if all(handles) and all(i.stop_set == stops for i in infos):
-        checked, rejected, walks = _walk_in_one_call(
-            mask, tokens, spans, handles, vocab_size, infos[0].stop_ids, accepted
+    first = infos[0]
+    if batch == 1:  # no comprehension, no generator: each costs microseconds with cold caches
+        row, n = spans[0]
+        direct = first.handle and native is compiled.bound_helper()
+        table = [(row, row, n, first.handle)]
+    else:
+        direct = native is compiled.bound_helper() and all(
+            i.handle and i.stop_set == first.stop_set for i in infos
         )
+        table = [(row, row, n, i.handle) for (row, n), i in zip(spans, infos, strict=False)]
+    if direct:  # every chain walked and repaired by one call of the compiled helper
+        seconds = np.empty(batch, dtype=np.float64) if batch > 1 else None
+        began = perf_counter()
+        checked, rejected, failed, message = native.walk_chains(
+            mask, tokens, table, vocab_size, first.stop_ids, 0, accepted, seconds
+        )
+        if failed >= 0:
+            raise MatcherError(failed, RuntimeError(message))
+        walks = [(0, perf_counter() - began)] if seconds is None else enumerate(seconds.tolist())
     else:
         checked, rejected, walks = _walk_each(
             native, grammars, infos, mask, tokens, firsts, spans, vocab_size, accepted
@@ -137,23 +152,6 @@ def small_chains(
     if accepted is None:
         return mask
     return mask, accepted if packed else accepted.reshape(batch, tree.nodes)
-
-
-def _walk_in_one_call(
-    mask: np.ndarray,
-    tokens: np.ndarray,
-    spans: list[tuple[int, int]],
-    handles: list[int],
-    limit: int,
-    stop_ids: np.ndarray,
-    accepted: np.ndarray | None,
-) -> tuple[int, int, list[tuple[int, float]]]:
-    """Every chain walked and repaired by the compiled helper (rows and tokens share their
-    offsets here). Returns ``(checked, rejected, walks)``."""
-    table = np.array(
-        [(row, row, n, h) for (row, n), h in zip(spans, handles, strict=False)], dtype=np.int64
-    )
-    return jobs.walk_chain_table(mask, tokens, table, limit, stop_ids, accepted)
 
 
 def _walk_each(

@@ -27,6 +27,8 @@ class MatcherInfo:
         vocab_size: tokens the matcher knows (``32 * words`` when only the width is known).
         stop_ids: int64 token ids whose acceptance terminates the matcher (xgrammar only).
         stop_set: the same ids as a frozenset.
+        handle: xgrammar only: :func:`portable_spec.native.xgrammar_handle` of the matcher
+            when it was probed (0: the compiled helper cannot call its methods).
         max_depth: how deep a tree the matcher can walk and still roll back to where it
             started (outlines-core's ``max_rollback``); None when unbounded.
     """
@@ -35,6 +37,7 @@ class MatcherInfo:
     vocab_size: int
     stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)
     stop_set: frozenset[int] = frozenset()
+    handle: int = 0
     max_depth: int | None = None
 
 

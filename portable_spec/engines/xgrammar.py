@@ -10,7 +10,7 @@ import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
-from portable_spec.native import traverse_xgrammar
+from portable_spec.native import traverse_xgrammar, xgrammar_handle
 
 __all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info", "xgrammar_states"]
 
@@ -57,6 +57,7 @@ def probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
         vocab_size=32 * words,
         stop_ids=np.asarray(stop_list, dtype=np.int64),
         stop_set=frozenset(stop_list),
+        handle=xgrammar_handle(matcher),
     )
     _cache.put(matcher, info)
     return info
