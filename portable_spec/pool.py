@@ -3,8 +3,8 @@
 The builder hands the pool one job per build: "process request indices 0..n-1". The calling
 thread works on the job itself and up to ``threads - 1`` pool workers join it, each taking
 the next index from a shared counter (cheap dynamic load balancing: requests whose drafts
-the grammar accepts cost far more than rejected ones). xgrammar's traversal releases the
-GIL, so the workers really run in parallel.
+the grammar accepts cost far more than rejected ones). xgrammar's traversal, called by the
+compiled helper, releases the GIL, so the workers really run in parallel.
 
 Several threads may build at once: each job is independent and its caller always makes
 progress on it, so no job waits for workers busy with another one.

@@ -62,10 +62,11 @@ PARALLEL_MIN_NODES = 48
 # replays and waking a worker cost tens of microseconds, so only big trees gain.
 SPLIT_MIN_NODES = 256
 SPLIT_MIN_PART = 16
-# Chains up to INLINE_CHAIN_NODES nodes per request stay on the calling thread up to
-# SHORT_CHAIN_FACTOR times more rows: each request's GIL-free work (its K + 1 rows) is too
-# short for a second thread to gain, workers would mostly wait for the GIL (measured with 1
-# to 8 drafts, batch 8 to 256: the pool was slower in every configuration).
+# Chains that the compiled helper cannot walk itself (walk_chain_table) stay on the calling
+# thread, up to INLINE_CHAIN_NODES nodes per request, for up to SHORT_CHAIN_FACTOR times more
+# rows: each request's work between two GIL hand-offs (its K + 1 rows) is too short for a
+# second thread to gain (measured with 1 to 8 drafts, batch 8 to 256: the pool was slower in
+# every configuration).
 INLINE_CHAIN_NODES = 9
 SHORT_CHAIN_FACTOR = 64
 # Chains the compiled helper walks itself (walk_chain_table): from this many rows on, the

@@ -11,7 +11,8 @@
 =================  ===========================================================================
 module             matchers
 =================  ===========================================================================
-``xgrammar``       ``xgrammar.GrammarMatcher``: C++ ``traverse_draft_tree``, GIL released
+``xgrammar``       ``xgrammar.GrammarMatcher``: C++ ``traverse_draft_tree``, GIL released by
+                   the compiled helper
 ``llguidance``     ``llguidance.LLMatcher``: the tree cut into chains, filled by llguidance's
                    Rust executor in one parallel call
 ``outlines``       ``outlines_core.Guide``: iterative walk with ``advance``/``rollback_state``
