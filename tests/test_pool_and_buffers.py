@@ -95,6 +95,7 @@ def test_concurrent_builds_share_the_pool(smollm2, monkeypatch):
 
 def test_pool_does_not_grow(smollm2, monkeypatch):
     monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", 0)
+    monkeypatch.setattr(jobs_module, "CHAIN_TABLE_PARALLEL_ROWS", 0)  # chains in parts too
     ps.set_num_threads(2)
     m = [xgr.GrammarMatcher(smollm2.grammars["regex"]) for _ in range(4)]
     tree = ps.GrammarTree.from_linear_chain(np.zeros((4, 3), dtype=np.int64))

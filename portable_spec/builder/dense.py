@@ -220,13 +220,15 @@ def _accept_walked(
 def _chain_table(build: Build, words: int) -> np.ndarray | None:
     """The :func:`jobs.walk_chain_table` table of a chain build whose every constrained
     request is an xgrammar matcher the compiled helper can call, of the mask's width, with
-    the same stop tokens; ``None`` for any other build."""
+    the same stop tokens; ``None`` for any other build (and for chains long enough for the
+    planner to split them over threads)."""
     tree = build.tree
     helper = native.native
     if (
         not (tree.is_chain or tree.is_packed)
         or helper is None
         or helper is not native.bound_helper()
+        or tree.nodes >= jobs.SPLIT_MIN_NODES
     ):
         return None
     nodes = tree.nodes
