@@ -293,6 +293,18 @@ def traverse_xgrammar(
         matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
 
 
+def _signature(schema: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """``(parameter types, return types)`` of a method's tvm-ffi ``type_schema``: named
+    (``{"named_args": {"params": [...], "return": [...]}}``, xgrammar 0.2.9) or positional,
+    the return first (``{"args": [return, *params]}``, xgrammar 0.2.8)."""
+    named = schema.get("named_args")
+    if isinstance(named, dict):
+        params = [p.get("type") for p in named.get("params", [])]
+        return params, [r.get("type") for r in named.get("return", [])]
+    listed = [a.get("type") for a in schema.get("args", [])]
+    return listed[1:], listed[:1]
+
+
 def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
     """Bind the compiled helper to the methods of xgrammar's matcher type ``kind`` (once per
     process: a second type is declined). True when bound."""
@@ -312,9 +324,7 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
         for name, params in _XGRAMMAR_METHODS.items():
             method = methods.get(name)
             schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
-            args = schema.get("named_args", {})
-            said = [p.get("type") for p in args.get("params", [])]
-            returns = [r.get("type") for r in args.get("return", [])]
+            said, returns = _signature(schema)
             if (
                 method is None
                 or method.is_static

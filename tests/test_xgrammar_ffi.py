@@ -8,6 +8,7 @@ helper does not know leaves xgrammar's Python binding in use.
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import threading
@@ -440,3 +441,25 @@ def test_a_refusal_in_a_later_part_names_its_request(smollm2):
     finally:
         ps.set_num_threads(previous)
     assert raised.value.request_index == 6
+
+
+def test_both_schema_forms_of_xgrammar_are_read():
+    """xgrammar 0.2.9 describes its methods with named parameters, 0.2.8 (vLLM 0.32's pin)
+    positionally, the return first: both read as the same signature; others give nothing."""
+    matcher = "xgrammar.tvm_ffi_binding.GrammarMatcher"
+    named = (
+        '{"type":"ffi.Function","named_args":{"return":[{"type":"bool"}],"params":[{"type":"'
+        + matcher
+        + '"},{"type":"Any"},{"type":"Any"},{"type":"Any"},{"type":"Any"},{"type":"float"},'
+        '{"type":"Any"}]}}'
+    )
+    positional = (
+        '{"type":"ffi.Function","args":[{"type":"bool"},{"type":"'
+        + matcher
+        + '"},{"type":"Any"},{"type":"Any"},{"type":"Any"},{"type":"Any"},{"type":"float"},'
+        '{"type":"Any"}]}'
+    )
+    want = ([matcher, "Any", "Any", "Any", "Any", "float", "Any"], ["bool"])
+    assert native_module._signature(json.loads(named)) == want
+    assert native_module._signature(json.loads(positional)) == want
+    assert native_module._signature({}) == ([], [])
