@@ -159,7 +159,7 @@ def fast_rows(
     n = len(matchers)
     if len(stops) > 1 and len({id(m) for m in matchers if m is not None}) != len(stops):
         return None  # a matcher listed twice
-    if stride and max(spans[2::4]) > stride:
+    if stride and max(spans[2::4], default=0) > stride:
         return None  # a chain longer than the layout's K + 1 rows
     total = row
     if total > buffer.shape[0]:
