@@ -2,8 +2,11 @@
 no reasoning parser, no padding), without vLLM: a stand-in manager and grammar wrapper
 shaped like vLLM's, real xgrammar matchers over SmolLM2's vocabulary, and every row checked
 against a per-node replay on fresh matchers with vLLM's row rule on top (a refused draft
-repeats the row before it on every later row of its request). The same path inside real
-vLLM, against vLLM's own fill: tests/real_vllm/test_replay.py."""
+repeats the row before it on every later row of its request). Both ways of walking are
+checked: the whole step in one compiled call (xgrammar's methods called through tvm-ffi's C
+ABI) and, when a matcher has no handle for that, each request through xgrammar's Python
+binding. The same path inside real vLLM, against vLLM's own fill:
+tests/real_vllm/test_replay.py."""
 
 from __future__ import annotations
 
@@ -14,6 +17,11 @@ import numpy as np
 import pytest
 from _oracle import Request, expected_rows_and_live, fill_row
 
+import portable_spec as ps
+from portable_spec import native as compiled
+from portable_spec.engines import xgrammar as xgrammar_engine
+from portable_spec.engines.base import MatcherInfo
+from portable_spec.integrations import _vllm_fast
 from portable_spec.integrations import vllm as plugin
 
 K = 4
@@ -151,15 +159,46 @@ def _state(requests, vocab):
     return out
 
 
+def _walks(monkeypatch, direct):
+    """Count the compiled one-call walks; with ``direct`` False, every matcher's handle is 0
+    (as when the compiled helper cannot call xgrammar itself) and the per-request walk runs."""
+    if compiled.native is None or not hasattr(compiled.native, "walk_chains"):
+        pytest.skip("the compiled helper is not built")
+    _vllm_fast.forget_grammars()
+    calls = []
+    walk = compiled.native.walk_chains
+
+    def spy(*args):
+        calls.append(len(args[2]))
+        return walk(*args)
+
+    monkeypatch.setattr(compiled.native, "walk_chains", spy)
+    if not direct:
+        monkeypatch.setattr(compiled, "xgrammar_handle", lambda matcher: 0)
+    elif not compiled.xgrammar_handle(Request(xgr_any_grammar()).fresh()):
+        pytest.skip("xgrammar's methods cannot be called through tvm-ffi's C ABI here")
+    return calls
+
+
+def xgr_any_grammar():
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "b"])).compile_grammar('root ::= "a"')
+
+
+@pytest.mark.parametrize("walk", ["one_call", "per_request"])
 @pytest.mark.parametrize("layout", ["packed", "strided"])
-def test_common_steps_match_replay(smollm2, layout, monkeypatch):
+def test_common_steps_match_replay(smollm2, layout, walk, monkeypatch):
     """Every common step is written by the one-function path (spied), row for row as the
     replay says, every matcher back in its state; the rows past a strided request's chain
-    are all-allowed and listed as unwritten."""
+    are all-allowed and listed as unwritten. ``one_call``: the step is exactly one compiled
+    walk over every request; ``per_request``: no matcher has a handle for the compiled
+    helper, so no compiled walk runs and xgrammar's Python binding walks each request."""
     vocab = smollm2
     rng = random.Random(f"fast/{layout}")
     taken = []
     fast = plugin.fast_rows
+    walks = _walks(monkeypatch, walk == "one_call")
 
     def spy(*args):
         result = fast(*args)
@@ -176,8 +215,16 @@ def test_common_steps_match_replay(smollm2, layout, monkeypatch):
         plugin._build_or_none(manager, requests, ids, spec, layout=layout)
         before = _state(requests, vocab)
         manager._grammar_bitmask.numpy()[:] = 7  # every row must be written again
+        walks.clear()
         out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
         assert taken[-1]
+        live = sum(
+            not r.structured_output_request.grammar.is_terminated() for r in requests.values()
+        )
+        if walk == "one_call" and live:
+            assert walks == [batch]  # one call, one chain per request
+        else:
+            assert walks == []
         after = _state(requests, vocab)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
@@ -192,6 +239,65 @@ def test_common_steps_match_replay(smollm2, layout, monkeypatch):
                 row += tail
         assert len(out) == row
         assert manager._portable_spec_unwritten == unwritten
+
+
+def test_one_matcher_without_handle_walks_each_request(smollm2, monkeypatch):
+    """One live matcher the compiled helper cannot call is enough to walk every request
+    through xgrammar's Python binding; the rows are the replay's either way."""
+    vocab = smollm2
+    walks = _walks(monkeypatch, True)
+    rng = random.Random("fast/mixed")
+    requests, spec, expected = _step(rng, vocab, 6, kinds=("valid", "refused", "eos"))
+    ids = list(requests)
+    odd = requests["r3"].structured_output_request.grammar.matcher
+    handle = compiled.xgrammar_handle
+    monkeypatch.setattr(compiled, "xgrammar_handle", lambda m: 0 if m is odd else handle(m))
+    manager = _manager(vocab.words)
+    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    buffer = manager._grammar_bitmask.numpy()
+    buffer[:] = 7
+    walks.clear()
+    out = plugin.fast_rows(manager, requests, ids, spec, None, buffer)
+    assert out is not None and walks == []
+    np.testing.assert_array_equal(out, np.concatenate(expected))
+
+
+@pytest.mark.parametrize("walk", ["one_call", "per_request"])
+def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, walk, monkeypatch):
+    """xgrammar refusing a walk (here: a matcher of a smaller vocabulary taken for the
+    model's width) raises MatcherError naming the request, every matcher back in its state;
+    the plugin then gives the step to its checked path, which refuses it too: vLLM's own fill
+    takes the step (``_build_or_none`` returns None)."""
+    import xgrammar as xgr
+
+    vocab = smollm2
+    walks = _walks(monkeypatch, walk == "one_call")
+    rng = random.Random("fast/refused")
+    requests, spec, _ = _step(rng, vocab, 4, kinds=("valid",))
+    ids = list(requests)
+    manager = _manager(vocab.words)
+    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    small = xgr.TokenizerInfo(vocab.tokens[:1000])
+    narrow = xgr.GrammarMatcher(xgr.GrammarCompiler(small).compile_grammar('root ::= "a"+'))
+    stop = xgrammar_engine.xgrammar_info(requests["r0"].structured_output_request.grammar.matcher)
+    xgrammar_engine._cache.put(
+        narrow, MatcherInfo(vocab.words, vocab.words * 32, stop.stop_ids, stop.stop_set)
+    )
+    requests["r2"] = SimpleNamespace(
+        structured_output_request=SimpleNamespace(grammar=XgrammarGrammar(narrow))
+    )
+    spec["r2"] = [vocab.tokens.index("a")] * 2
+    before = _state({k: v for k, v in requests.items() if k != "r2"}, vocab)
+    buffer = manager._grammar_bitmask.numpy()
+    walks.clear()
+    with pytest.raises(ps.MatcherError) as info:
+        plugin.fast_rows(manager, requests, ids, spec, None, buffer)
+    assert info.value.request_index == 2
+    assert walks == ([4] if walk == "one_call" else [])
+    assert plugin._build_or_none(manager, requests, ids, spec) is None
+    after = _state({k: v for k, v in requests.items() if k != "r2"}, vocab)
+    for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+        assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
 
 
 def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, monkeypatch):

@@ -27,9 +27,9 @@ What the plugin builds, and what it leaves to vLLM:
   tokens, or a build the library refuses (a matcher in an error state, an outlines guide
   whose rollback window is too short) runs vLLM's own fill for that step.
 * The common step (every request an xgrammar grammar the library has seen, no reasoning
-  parser, no ``-1`` padding) takes a short path (``_vllm_fast``): one xgrammar walk per
-  request into vLLM's buffer and one compiled repair for the batch; anything else goes
-  through the checked path below.
+  parser, no ``-1`` padding) takes a short path (``_vllm_fast``): the whole step in one
+  compiled call (GIL released) that walks every request with xgrammar straight into vLLM's
+  buffer and repairs its rows; anything else goes through the checked path below.
 * Reasoning models: each request's reasoning bounds come from vLLM's own
   ``_get_constraint_bounds`` (its per-request reasoner), so the rows follow vLLM's rule for
   every parser it has; the library's chain starts where vLLM's grammar starts.
