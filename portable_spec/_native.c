@@ -55,10 +55,10 @@
  *       methods' signatures; until then the two functions below raise RuntimeError.
  *
  *   xgrammar_traverse(matcher, next_token, next_sibling, draft, rows) -> None
- *       One request's traverse_draft_tree with the GIL released (xgrammar's own Python
- *       binding holds it): `matcher` is the handle of the matcher's tvm-ffi object, the other
- *       arguments as xgrammar takes them (int64 [nodes] links and tokens, int32
- *       [nodes, words] rows). RuntimeError carrying xgrammar's message when it refuses.
+ *       One request's traverse_draft_tree with the GIL released for the whole call (no
+ *       argument conversion under it): `matcher` is the handle of the matcher's tvm-ffi
+ *       object, the other arguments as xgrammar takes them (int64 [nodes] links and tokens,
+ *       int32 [nodes, words] rows). RuntimeError carrying xgrammar's message when it refuses.
  *
  *   walk_chains(rows, tokens, spans, limit, stop_ids, repeat[, valid[, seconds]])
  *       -> (checked, rejected, failed, message)

@@ -4,8 +4,8 @@ Each entry of ``grammars`` is one of (mixed freely in one batch):
 
 * ``None``: the request is unconstrained; all its rows are all-allowed (-1).
 * an ``xgrammar.GrammarMatcher``: traversed by xgrammar's C++ ``traverse_draft_tree``, called
-  by the compiled helper without the GIL, so requests run in parallel on the builder's thread
-  pool (xgrammar's own Python binding holds the GIL: see :mod:`portable_spec.native`).
+  by the compiled helper without the GIL (see :mod:`portable_spec.native`), so requests run
+  in parallel on the builder's thread pool.
 * an ``llguidance.LLMatcher``: its tree cut into chains that llguidance's Rust executor fills
   in one parallel call for the whole batch.
 * an ``outlines_core.Guide``: walked with ``advance``/``rollback_state``.

@@ -24,11 +24,12 @@ token, and its bit set in its parent's row. Counts: ``checked`` are the children
 nodes (the draft tokens the grammar was asked about), ``refused`` those whose token is out of
 range or whose bit is clear (an accepted stop token is not a refusal).
 
-xgrammar (0.2.8 and later) reaches its C++ through tvm-ffi, whose Python calls hold the GIL:
-two threads walking two matchers take turns. The compiled helper calls the same methods
-through tvm-ffi's C ABI instead (``TVMFFIFunctionCall`` on the matcher type's own method
-functions, the arrays passed as DLPack tensors) with the GIL released, so walks of different
-requests run on several cores, and a batch of chains is walked in one call. It binds only
+xgrammar (0.2.8 and later) reaches its C++ through tvm-ffi: each Python call converts its
+array arguments and dispatches under the GIL, then walks without it. On short chains that part
+is most of a call, and two threads walking through it were hardly faster than one. The compiled
+helper calls the same methods through tvm-ffi's C ABI instead (``TVMFFIFunctionCall`` on the
+matcher type's own method functions, the arrays passed as DLPack tensors it describes itself),
+the GIL released for the whole call, and walks a batch of chains in one call. It binds only
 after checking tvm-ffi's version (0.1) and the two methods' signatures; anything else, or
 ``PORTABLE_SPEC_XGRAMMAR_FFI=0``, leaves xgrammar's Python binding in use (same rows).
 """

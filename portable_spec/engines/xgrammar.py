@@ -91,9 +91,8 @@ def walk_xgrammar(
 
 def xgrammar_states(matcher: Any, info: MatcherInfo, words: int) -> ForkStates:
     """Draft states of an xgrammar matcher: one accepted ``fork()`` per live node (the
-    session's matcher is never moved). A large level runs its requests on the library's pool
-    (xgrammar's binding holds the GIL in ``fork``, ``accept_token`` and
-    ``fill_next_token_bitmask``, so the workers take turns there)."""
+    session's matcher is never moved). A large level runs its requests on the library's
+    pool."""
     states = ForkStates(matcher, info, words, protocol=False)
     states.parallel = True
     return states

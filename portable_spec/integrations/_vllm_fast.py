@@ -114,7 +114,7 @@ def fast_rows(
     spans: list[int] = []  # per request: first row, first token, nodes, matcher handle
     matchers: list[Any] = []  # per request: the matcher to walk, None when terminated
     stops: list[np.ndarray] = []  # per live request: its stop tokens
-    direct = hasattr(native, "walk_chains")  # so far every live matcher has a handle
+    direct = native is compiled.bound_helper()  # so far every live matcher has a handle
     common = None  # the live requests' stop tokens while they agree
     same_stops = True
     stride = 0 if stride_k is None else stride_k + 1
