@@ -463,6 +463,44 @@ static PyObject *take_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Repair one chain after its walk (the rule of repair_chains): rows kept up to the first
+   draft out of [0, limit), refused by the row before it, or a stop token; every later row
+   all-allowed, or with `repeat` and a refused draft a copy of the row before it. `flags`
+   (NULL: none) receives which nodes the grammar accepts. Counts go to *checked and
+   *rejected. No GIL needed. */
+static void repair_chain(int32_t *base, const int64_t *chain, Py_ssize_t n, Py_ssize_t words,
+                         int live, long long limit, const int64_t *stop, Py_ssize_t nstops,
+                         int repeat, uint8_t *flags, Py_ssize_t *checked, Py_ssize_t *rejected) {
+    Py_ssize_t first = 0, refused = 0;
+    if (flags != NULL) {
+        memset(flags, 0, (size_t)n);
+        flags[0] = 1;
+    }
+    if (live) {
+        for (first = 1; first < n; first++) {
+            int64_t t = chain[first];
+            const uint32_t *parent = (const uint32_t *)(base + (first - 1) * words);
+            (*checked)++;
+            if (!(t >= 0 && t < limit && ((parent[t >> 5] >> (t & 31)) & 1u))) {
+                (*rejected)++;
+                refused = 1;
+                break;
+            }
+            if (flags != NULL) flags[first] = 1;
+            int is_stop = 0;
+            for (Py_ssize_t s = 0; s < nstops && !is_stop; s++) is_stop = stop[s] == t;
+            if (is_stop) break;
+        }
+    }
+    size_t width = sizeof(int32_t) * (size_t)words;
+    for (Py_ssize_t v = first; v < n; v++) {
+        if (repeat && refused)
+            memcpy(base + v * words, base + (first - 1) * words, width);
+        else
+            memset(base + v * words, 0xff, width);
+    }
+}
+
 static PyObject *repair_chains(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *tokens_obj, *spans_obj, *stops_obj;
     long long limit;
@@ -492,33 +530,10 @@ static PyObject *repair_chains(PyObject *self, PyObject *args) {
     int32_t *mask = (int32_t *)rows.buf;
     const int64_t *tok = (const int64_t *)tokens.buf, *stop = (const int64_t *)stops.buf;
     Py_ssize_t nstops = stops.shape[0];
-    size_t width = sizeof(int32_t) * (size_t)words;
-    for (Py_ssize_t c = 0; c < chains; c++) {
-        int32_t *base = mask + sp[4 * c] * words;
-        const int64_t *chain = tok + sp[4 * c + 1];
-        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2], first = 0, refused = 0;
-        if (sp[4 * c + 3]) {
-            for (first = 1; first < n; first++) {
-                int64_t t = chain[first];
-                const uint32_t *parent = (const uint32_t *)(base + (first - 1) * words);
-                checked++;
-                if (!(t >= 0 && t < limit && ((parent[t >> 5] >> (t & 31)) & 1u))) {
-                    rejected++;
-                    refused = 1;
-                    break;
-                }
-                int is_stop = 0;
-                for (Py_ssize_t s = 0; s < nstops && !is_stop; s++) is_stop = stop[s] == t;
-                if (is_stop) break;
-            }
-        }
-        for (Py_ssize_t v = first; v < n; v++) {
-            if (repeat && refused)
-                memcpy(base + v * words, base + (first - 1) * words, width);
-            else
-                memset(base + v * words, 0xff, width);
-        }
-    }
+    for (Py_ssize_t c = 0; c < chains; c++)
+        repair_chain(mask + sp[4 * c] * words, tok + sp[4 * c + 1], (Py_ssize_t)sp[4 * c + 2],
+                     words, sp[4 * c + 3] != 0, limit, stop, nstops, repeat, NULL, &checked,
+                     &rejected);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&stops);
     PyBuffer_Release(&spans);
@@ -882,14 +897,13 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
     const int64_t *stop = (const int64_t *)stops.buf;
     uint8_t *flags = has_valid ? (uint8_t *)valid.buf : NULL;
     Py_ssize_t nstops = stops.shape[0];
-    size_t width = sizeof(int32_t) * (size_t)words;
     double *times = has_seconds ? (double *)seconds.buf : NULL;
     struct timespec began, ended;
     if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
     for (Py_ssize_t c = 0; c < chains; c++) {
         int32_t *base = mask + sp[4 * c] * words;
         int64_t *chain = tok + sp[4 * c + 1];
-        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2], first = 0, refused = 0;
+        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2];
         int live = 0;
         if (sp[4 * c + 3] != 0) {
             int terminated = 0;
@@ -903,36 +917,12 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
             }
             live = !terminated;
         }
-        uint8_t *ok_flags = flags != NULL ? flags + sp[4 * c] : NULL;
-        if (ok_flags != NULL) {
-            memset(ok_flags, 0, (size_t)n);
-            ok_flags[0] = 1;
-        }
-        if (live) {
-            for (first = 1; first < n; first++) {
-                int64_t t = chain[first];
-                const uint32_t *parent = (const uint32_t *)(base + (first - 1) * words);
-                checked++;
-                if (!(t >= 0 && t < limit && ((parent[t >> 5] >> (t & 31)) & 1u))) {
-                    rejected++;
-                    refused = 1;
-                    break;
-                }
-                if (ok_flags != NULL) ok_flags[first] = 1;
-                int is_stop = 0;
-                for (Py_ssize_t s = 0; s < nstops && !is_stop; s++) is_stop = stop[s] == t;
-                if (is_stop) break;
-            }
-        }
-        for (Py_ssize_t v = first; v < n; v++) {
-            if (repeat && refused)
-                memcpy(base + v * words, base + (first - 1) * words, width);
-            else
-                memset(base + v * words, 0xff, width);
-        }
+        repair_chain(base, chain, n, words, live, limit, stop, nstops, repeat,
+                     flags != NULL ? flags + sp[4 * c] : NULL, &checked, &rejected);
         if (times != NULL) {
             clock_gettime(CLOCK_MONOTONIC, &ended);
-            times[c] = (double)(ended.tv_sec - began.tv_sec) + 1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
+            times[c] = (double)(ended.tv_sec - began.tv_sec) +
+                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
             began = ended;
         }
     }

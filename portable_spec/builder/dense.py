@@ -38,7 +38,6 @@ from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import NONE, XGRAMMAR
 from portable_spec.masks import ALL_ALLOWED
-from portable_spec.stats import record_build
 
 __all__ = ["build_dense"]
 
@@ -268,18 +267,8 @@ def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any
             if kind == NONE:  # every node of an unconstrained chain is accepted
                 start, n = build.spans[b]
                 accepted[start : start + n] = True
-    started, resolved = build.times
-    record_build(
-        [w for w in walks if build.kinds[w[0]] != NONE],
-        tree.rows,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
-    if accepted is None:
-        return mask
-    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)
+    walked = [w for w in walks if build.kinds[w[0]] != NONE]
+    return jobs.settle(build.tree, build.times, mask, accepted, walked, checked, rejected)
 
 
 def _inline(build: Build) -> bool:
@@ -307,7 +296,6 @@ def _build_inline(build: Build, mask: np.ndarray) -> Any:
     grammars, tree, infos, spans = build.grammars, build.tree, build.infos, build.spans
     next_token, next_sibling, draft = build.arrays
     vocab_size = build.vocab_size
-    started, resolved = build.times
     accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
     repair = native.row_repairer(accepted is not None)
     words = mask.shape[1]
@@ -346,14 +334,4 @@ def _build_inline(build: Build, mask: np.ndarray) -> Any:
         ended = perf_counter()
         walks.append((b, ended - began))
         began = ended
-    record_build(
-        walks,
-        tree.rows,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
-    if accepted is None:
-        return mask
-    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)
+    return jobs.settle(build.tree, build.times, mask, accepted, walks, checked, rejected)

@@ -47,6 +47,7 @@ __all__ = [
     "plan_jobs",
     "run_build",
     "run_jobs",
+    "settle",
     "walk_chain_table",
 ]
 
@@ -549,3 +550,30 @@ def _balanced_cuts(lengths: np.ndarray, parts: int) -> list[int]:
     targets = ends[-1] * np.arange(1, parts) / parts
     cuts = np.searchsorted(ends, targets, side="left") + 1
     return [0, *sorted(set(int(c) for c in cuts if 0 < c < len(lengths))), len(lengths)]
+
+
+def settle(
+    tree: GrammarTree,
+    times: tuple[float, float],
+    mask: np.ndarray,
+    accepted: np.ndarray | None,
+    walks: Any,
+    checked: int,
+    rejected: int,
+) -> Any:
+    """Record a build walked on the calling thread or by the chain walker in
+    :func:`portable_spec.grammar_stats` (``walks``: ``(request, seconds)`` pairs; ``times``:
+    ``(started, tree resolved)`` perf_counter seconds); return what
+    :func:`portable_spec.build_host_bitmask` returns for ``mask`` and the valid flags."""
+    started, resolved = times
+    record_build(
+        walks,
+        tree.rows,
+        wait_seconds=resolved - started,
+        walk_seconds=perf_counter() - resolved,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if accepted is None:
+        return mask
+    return mask, accepted if tree.is_packed else accepted.reshape(tree.batch, tree.nodes)

@@ -23,7 +23,6 @@ from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import XGRAMMAR, _kind_by_type
 from portable_spec.pending import pending_builds
-from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
 
 __all__ = ["SMALL_CHAIN_BATCH", "chain_links", "small_chains"]
@@ -141,17 +140,7 @@ def small_chains(
         checked, rejected, walks = _walk_each(
             native, grammars, infos, mask, tokens, firsts, spans, vocab_size, accepted
         )
-    record_build(
-        walks,
-        rows,
-        wait_seconds=resolved - started,
-        walk_seconds=perf_counter() - resolved,
-        checked_nodes=checked,
-        rejected_nodes=rejected,
-    )
-    if accepted is None:
-        return mask
-    return mask, accepted if packed else accepted.reshape(batch, tree.nodes)
+    return jobs.settle(tree, (started, resolved), mask, accepted, walks, checked, rejected)
 
 
 def _walk_each(
