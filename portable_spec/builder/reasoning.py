@@ -27,13 +27,18 @@ import operator
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 
+from portable_spec import native
+from portable_spec.builder import jobs
 from portable_spec.engines.base import IdentityCache
+from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.masks import ALL_ALLOWED
+from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
 
 __all__ = ["Reasoning", "build_with_reasoning", "check_reasoning"]
@@ -248,7 +253,9 @@ def _chains_with_reasoning(
         lengths.append(n - head)
         starts.append(start + head)
         owners.append(b)
-    if owners:
+    if owners and not _walk_directly(
+        grammars, owners, flat, lengths, starts, mask, valid, vocab_size, words
+    ):
         placed = GrammarTree._placed_chains(np.array(flat, dtype=np.int64), lengths, starts, rows)
         try:
             _, accepted = build(
@@ -258,12 +265,70 @@ def _chains_with_reasoning(
             raise MatcherError(owners[exc.request_index], exc.error) from exc.error
         for start, length in zip(starts, lengths, strict=True):
             valid[start : start + length] = accepted[start : start + length]
-        for row, free in restore:
-            mask[row] = free
-            valid[row] = True
+    for row, free in restore:
+        mask[row] = free
+        valid[row] = True
     if not return_valid:
         return mask
     return mask, valid if tree.is_packed else valid.reshape(tree.batch, tree.nodes)
+
+
+def _walk_directly(
+    grammars: Sequence[Any],
+    owners: list[int],
+    flat: list[int],
+    lengths: list[int],
+    starts: list[int],
+    mask: np.ndarray,
+    valid: np.ndarray,
+    vocab_size: int,
+    words: int,
+) -> bool:
+    """The grammar chains of :func:`_chains_with_reasoning` (chain ``i`` of request
+    ``owners[i]``: ``lengths[i]`` tokens of ``flat``, rows from ``starts[i]``) walked and
+    repaired by the compiled helper's chain walker, valid flags written, when every matcher
+    is an xgrammar matcher it can call, of the mask's width, with the same stop tokens
+    (already probed by the front). False (nothing moved) otherwise: the caller builds them."""
+    helper = native.native
+    if helper is None or helper is not native.bound_helper():
+        return False
+    infos = [xgrammar_info(grammars[b]) for b in owners]
+    first = infos[0]
+    if first is None:
+        return False
+    table = []
+    position = 0
+    for info, start, length in zip(infos, starts, lengths, strict=True):
+        if (
+            info is None
+            or not info.handle
+            or info.words != words
+            or info.stop_set != first.stop_set
+        ):
+            return False
+        table.append((start, position, length, info.handle))
+        position += length
+    began = perf_counter()
+    try:
+        checked, rejected, walks = jobs.walk_chain_table(
+            mask,
+            np.array(flat, dtype=np.int64),
+            np.array(table, dtype=np.int64),
+            min(vocab_size, first.vocab_size),
+            first.stop_ids,
+            valid,
+            position,
+        )
+    except MatcherError as exc:
+        raise MatcherError(owners[exc.request_index], exc.error) from exc.error
+    record_build(
+        [(owners[i], seconds) for i, seconds in walks],
+        position,
+        walk_seconds=perf_counter() - began,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    return True
 
 
 def _reason_along(
