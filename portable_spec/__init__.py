@@ -25,6 +25,7 @@ The machinery behind these names is importable from its own module: writing a ba
 from portable_spec.api import apply_vocab_mask, build_grammar_vocab_mask
 from portable_spec.builder import build_host_bitmask
 from portable_spec.builder.reasoning import Reasoning
+from portable_spec.chains import build_chain_bitmask
 from portable_spec.drafting import DraftSession
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
@@ -47,6 +48,7 @@ __all__ = [
     "Reasoning",
     "apply_vocab_mask",
     "available_backends",
+    "build_chain_bitmask",
     "build_grammar_vocab_mask",
     "build_host_bitmask",
     "get_backend",

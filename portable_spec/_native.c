@@ -74,6 +74,27 @@
  *       untouched.
  *       `seconds` (float64 [chains]), when given, receives each chain's walk and repair time.
  *
+ *   pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid)
+ *       -> (tokens, table, owners, walked) or None
+ *       An engine's per-request draft lists (a list or tuple of lists or tuples of ints) made
+ *       into walk_chains' input: `tokens` (bytes of int64, each request's root 0 then its
+ *       drafts), `table` (bytes of int64 [chains, 4]) and `owners` (bytes of int64 [chains]:
+ *       each chain's request), `walked` the rows in the table. Request b's rows start at
+ *       b * stride (stride > 0: its chain, then all-allowed padding rows no draft reaches) or
+ *       right after the previous request's chain (stride 0). `handles[b]` (list of ints) is
+ *       its matcher's handle, 0 for none: every row all-allowed, every node accepted. With
+ *       `active` (a list of bools, or None) request b still reasoning gets all-allowed rows
+ *       up to its first draft in `ends` (int64 [E]), whose row starts its chain; a draft out
+ *       of [0, vocab_size) before it ends the chain (later rows all-allowed, not accepted).
+ *       Writes those rows into `rows` (int32 [R, words], R the rows of every request) and
+ *       their flags into `valid` (bool [R] or None). None, with nothing written, when a draft
+ *       list, a draft (not an int, or outside int64), a handle or a flag is malformed, a
+ *       chain does not fit its stride or R is not the rows of the requests.
+ *       With `limit` (and `stop_ids`, int64 [S]) the chains are walked and repaired in the
+ *       same call, the GIL released, as walk_chains does without `repeat`; it then returns
+ *       (checked, rejected, failed, message) like walk_chains, `failed` the request's index,
+ *       and `seconds` (float64 [requests], when given) receives each walked request's time.
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -825,6 +846,48 @@ static int64_t *read_spans(PyObject *obj, Py_ssize_t *chains) {
     return out;
 }
 
+/* Walk and repair the chains of a span table (see walk_chains): `links` has room for two
+   [longest] arrays, `matchers` one argument per chain (unused where its handle is 0).
+   Returns the index of the chain xgrammar refused (its message in *error, malloc'd), or -1.
+   No GIL needed. */
+static Py_ssize_t walk_table(int32_t *mask, Py_ssize_t words, int64_t *tok, const int64_t *sp,
+                             Py_ssize_t chains, const FfiAny *matchers, int64_t *links,
+                             Py_ssize_t longest, long long limit, const int64_t *stop,
+                             Py_ssize_t nstops, int repeat, uint8_t *flags, double *times,
+                             Py_ssize_t *checked, Py_ssize_t *rejected, char **error) {
+    int64_t *next_token = links, *next_sibling = links + longest;
+    for (Py_ssize_t i = 0; i < longest; i++) {
+        next_token[i] = i + 1;
+        next_sibling[i] = -1;
+    }
+    struct timespec began, ended;
+    if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        int32_t *base = mask + sp[4 * c] * words;
+        int64_t *chain = tok + sp[4 * c + 1];
+        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2];
+        int live = 0;
+        if (sp[4 * c + 3] != 0) {
+            int terminated = 0;
+            next_token[n - 1] = -1;
+            int rc = call_traverse(&matchers[c], next_token, next_sibling, chain, base, n, words,
+                                   &terminated, error);
+            next_token[n - 1] = n;
+            if (rc != 0) return c;
+            live = !terminated;
+        }
+        repair_chain(base, chain, n, words, live, limit, stop, nstops, repeat,
+                     flags != NULL ? flags + sp[4 * c] : NULL, checked, rejected);
+        if (times != NULL) {
+            clock_gettime(CLOCK_MONOTONIC, &ended);
+            times[c] = (double)(ended.tv_sec - began.tv_sec) +
+                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
+            began = ended;
+        }
+    }
+    return -1;
+}
+
 static PyObject *walk_chains(PyObject *self, PyObject *args) {
     PyObject *rows_obj, *tokens_obj, *spans_obj, *stops_obj, *valid_obj = Py_None;
     PyObject *seconds_obj = Py_None;
@@ -887,45 +950,10 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
     Py_ssize_t checked = 0, rejected = 0, failed = -1;
     char *error = NULL;
     Py_BEGIN_ALLOW_THREADS
-    int64_t *next_token = links, *next_sibling = links + longest;
-    for (Py_ssize_t i = 0; i < longest; i++) {
-        next_token[i] = i + 1;
-        next_sibling[i] = -1;
-    }
-    int32_t *mask = (int32_t *)rows.buf;
-    int64_t *tok = (int64_t *)tokens.buf;
-    const int64_t *stop = (const int64_t *)stops.buf;
-    uint8_t *flags = has_valid ? (uint8_t *)valid.buf : NULL;
-    Py_ssize_t nstops = stops.shape[0];
-    double *times = has_seconds ? (double *)seconds.buf : NULL;
-    struct timespec began, ended;
-    if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
-    for (Py_ssize_t c = 0; c < chains; c++) {
-        int32_t *base = mask + sp[4 * c] * words;
-        int64_t *chain = tok + sp[4 * c + 1];
-        Py_ssize_t n = (Py_ssize_t)sp[4 * c + 2];
-        int live = 0;
-        if (sp[4 * c + 3] != 0) {
-            int terminated = 0;
-            next_token[n - 1] = -1;
-            int rc = call_traverse(&matchers[c], next_token, next_sibling, chain, base, n, words,
-                                   &terminated, &error);
-            next_token[n - 1] = n;
-            if (rc != 0) {
-                failed = c;
-                break;
-            }
-            live = !terminated;
-        }
-        repair_chain(base, chain, n, words, live, limit, stop, nstops, repeat,
-                     flags != NULL ? flags + sp[4 * c] : NULL, &checked, &rejected);
-        if (times != NULL) {
-            clock_gettime(CLOCK_MONOTONIC, &ended);
-            times[c] = (double)(ended.tv_sec - began.tv_sec) +
-                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
-            began = ended;
-        }
-    }
+    failed = walk_table((int32_t *)rows.buf, words, (int64_t *)tokens.buf, sp, chains, matchers,
+                        links, longest, limit, (const int64_t *)stops.buf, stops.shape[0],
+                        repeat, has_valid ? (uint8_t *)valid.buf : NULL,
+                        has_seconds ? (double *)seconds.buf : NULL, &checked, &rejected, &error);
     Py_END_ALLOW_THREADS
     PyMem_Free(matchers);
     PyMem_Free(links);
@@ -953,6 +981,212 @@ fail_tokens:
 fail_rows:
     PyBuffer_Release(&rows);
     return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* pack_chains: an engine's per-request draft lists turned into walk_chains' table, and every
+   row no grammar walks written. See the module comment. */
+
+/* The items of a list or tuple (borrowed; an empty list may have none) and their count in
+   *n; -1 in *n when `obj` is neither. */
+static PyObject *const *draft_items(PyObject *obj, Py_ssize_t *n) {
+    if (PyList_CheckExact(obj)) {
+        *n = PyList_GET_SIZE(obj);
+        return (PyObject *const *)((PyListObject *)obj)->ob_item;
+    }
+    if (PyTuple_CheckExact(obj)) {
+        *n = PyTuple_GET_SIZE(obj);
+        return (PyObject *const *)((PyTupleObject *)obj)->ob_item;
+    }
+    *n = -1;
+    return NULL;
+}
+
+static void fill_rows(int32_t *mask, Py_ssize_t words, Py_ssize_t from, Py_ssize_t to,
+                      uint8_t *flags, uint8_t flag) {
+    if (to <= from) return;
+    memset(mask + from * words, 0xff, sizeof(int32_t) * (size_t)(words * (to - from)));
+    if (flags != NULL) memset(flags + from, flag, (size_t)(to - from));
+}
+
+static PyObject *pack_chains(PyObject *self, PyObject *args) {
+    PyObject *drafts, *handles, *ends_obj, *active, *rows_obj, *valid_obj;
+    PyObject *stops_obj = Py_None, *seconds_obj = Py_None;
+    Py_ssize_t stride;
+    long long vocab, limit = -1;
+    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOO", &drafts, &handles, &stride, &vocab, &ends_obj,
+                          &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj))
+        return NULL;
+    int walk = limit >= 0;
+    if (walk && ffi_call == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
+        return NULL;
+    }
+    Py_ssize_t n;
+    PyObject *const *requests = draft_items(drafts, &n);
+    if (n < 0 || !PyList_CheckExact(handles) || PyList_GET_SIZE(handles) != n || stride < 0)
+        Py_RETURN_NONE;
+    if (active != Py_None && (!PyList_CheckExact(active) || PyList_GET_SIZE(active) != n))
+        Py_RETURN_NONE;
+    Py_buffer rows, ends, valid, stops, seconds;
+    int has_valid = valid_obj != Py_None, has_seconds = walk && seconds_obj != Py_None;
+    PyObject *result = NULL;
+    int64_t *tok = NULL, *table = NULL, *owners = NULL, *links = NULL;
+    FfiAny *matchers = NULL;
+    double *times = NULL;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    if (get_buffer(ends_obj, &ends, 0, 'i', 8, 1, "ends") != 0) goto fail_rows;
+    if (has_valid && get_flags(valid_obj, &valid, rows.shape[0]) != 0) goto fail_ends;
+    if (walk && get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_valid;
+    if (has_seconds) {
+        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
+            goto fail_stops;
+        const char *fmt = seconds.format ? seconds.format : "B";
+        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] != n) {
+            PyBuffer_Release(&seconds);
+            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per request");
+            goto fail_stops;
+        }
+    }
+    Py_ssize_t nrows = rows.shape[0], words = rows.shape[1];
+    if (walk && limit > (long long)words * 32) {
+        PyErr_SetString(PyExc_ValueError, "pack_chains: limit past the rows' width");
+        goto fail_seconds;
+    }
+    /* first pass, nothing written: every draft a plain int, every chain fits its rows */
+    Py_ssize_t total = 0, ntokens = 0, longest = 1;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        Py_ssize_t k = 0;
+        PyObject *const *items = draft_items(requests[b], &k);
+        PyObject *handle = PyList_GET_ITEM(handles, b);
+        if (k < 0 || !PyLong_CheckExact(handle) || (stride && k + 1 > stride)) goto decline;
+        if (active != Py_None) {
+            PyObject *flag = PyList_GET_ITEM(active, b);
+            if (flag != Py_True && flag != Py_False) goto decline;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (!PyLong_CheckExact(items[j])) goto decline;
+            int overflow = 0;
+            PyLong_AsLongLongAndOverflow(items[j], &overflow);
+            if (overflow) goto decline;
+        }
+        ntokens += k + 1;
+        total += stride ? stride : k + 1;
+        if (k + 1 > longest) longest = k + 1;
+    }
+    if (total != nrows) goto decline;
+    tok = PyMem_Malloc(sizeof(int64_t) * (size_t)(ntokens > 0 ? ntokens : 1));
+    table = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)(n > 0 ? n : 1));
+    owners = PyMem_Malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    if (tok == NULL || table == NULL || owners == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int32_t *mask = (int32_t *)rows.buf;
+    uint8_t *flags = has_valid ? (uint8_t *)valid.buf : NULL;
+    const int64_t *end = (const int64_t *)ends.buf;
+    Py_ssize_t nends = ends.shape[0], chains = 0, walked = 0, pos = 0, row = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        Py_ssize_t k = 0;
+        PyObject *const *items = draft_items(requests[b], &k);
+        Py_ssize_t nodes = k + 1, span = stride ? stride : nodes;
+        long long handle = PyLong_AsLongLong(PyList_GET_ITEM(handles, b));
+        tok[pos] = 0;
+        for (Py_ssize_t j = 0; j < k; j++) tok[pos + 1 + j] = (int64_t)PyLong_AsLongLong(items[j]);
+        if (handle == 0) { /* no grammar: every row all-allowed, every node accepted */
+            fill_rows(mask, words, row, row + span, flags, 1);
+        } else {
+            fill_rows(mask, words, row + nodes, row + span, flags, 0); /* padding rows */
+            Py_ssize_t head = 0;
+            if (active != Py_None && PyList_GET_ITEM(active, b) == Py_True) {
+                /* still reasoning: free rows up to the first end token, whose row is the
+                   grammar's first; a token out of the vocabulary ends the chain */
+                head = -1;
+                fill_rows(mask, words, row, row + 1, flags, 1);
+                for (Py_ssize_t j = 1; j < nodes && head < 0; j++) {
+                    int64_t t = tok[pos + j];
+                    if (t < 0 || t >= vocab) {
+                        fill_rows(mask, words, row + j, row + nodes, flags, 0);
+                        break;
+                    }
+                    if (flags != NULL) flags[row + j] = 1;
+                    for (Py_ssize_t e = 0; e < nends && head < 0; e++)
+                        if (end[e] == t) head = j;
+                    if (head < 0) fill_rows(mask, words, row + j, row + j + 1, flags, 1);
+                }
+            }
+            if (head >= 0) {
+                table[4 * chains] = row + head;
+                table[4 * chains + 1] = pos + head;
+                table[4 * chains + 2] = nodes - head;
+                table[4 * chains + 3] = handle;
+                owners[chains++] = b;
+                walked += nodes - head;
+            }
+        }
+        pos += nodes;
+        row += span;
+    }
+    if (!walk) {
+        result = Py_BuildValue("y#y#y#n", (const char *)tok, (Py_ssize_t)sizeof(int64_t) * ntokens,
+                               (const char *)table, (Py_ssize_t)sizeof(int64_t) * 4 * chains,
+                               (const char *)owners, (Py_ssize_t)sizeof(int64_t) * chains, walked);
+        goto done;
+    }
+    /* walk now, the GIL released, as walk_chains does */
+    matchers = PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(FfiAny));
+    links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
+    times = has_seconds ? PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(double)) : NULL;
+    if (matchers == NULL || links == NULL || (has_seconds && times == NULL)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < chains; c++)
+        if (matcher_arg((unsigned long long)table[4 * c + 3], &matchers[c]) != 0) goto done;
+    Py_ssize_t checked = 0, rejected = 0, failed = -1;
+    char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    failed = walk_table(mask, words, tok, table, chains, matchers, links, longest, limit,
+                        (const int64_t *)stops.buf, stops.shape[0], 0, flags, times, &checked,
+                        &rejected, &error);
+    Py_END_ALLOW_THREADS
+    if (has_seconds) {
+        double *out = (double *)seconds.buf;
+        for (Py_ssize_t c = 0; c < chains; c++) out[owners[c]] = times[c];
+    }
+    if (failed < 0) {
+        result = Py_BuildValue("nnnO", checked, rejected, (Py_ssize_t)-1, Py_None);
+    } else {
+        result = Py_BuildValue("nnns", checked, rejected, (Py_ssize_t)owners[failed],
+                               error != NULL ? error : "xgrammar failed");
+        free(error);
+    }
+done:
+    PyMem_Free(times);
+    PyMem_Free(links);
+    PyMem_Free(matchers);
+    PyMem_Free(owners);
+    PyMem_Free(table);
+    PyMem_Free(tok);
+fail_seconds:
+    if (has_seconds) PyBuffer_Release(&seconds);
+fail_stops:
+    if (walk) PyBuffer_Release(&stops);
+fail_valid:
+    if (has_valid) PyBuffer_Release(&valid);
+fail_ends:
+    PyBuffer_Release(&ends);
+fail_rows:
+    PyBuffer_Release(&rows);
+    return result;
+decline:
+    if (has_seconds) PyBuffer_Release(&seconds);
+    if (walk) PyBuffer_Release(&stops);
+    if (has_valid) PyBuffer_Release(&valid);
+    PyBuffer_Release(&ends);
+    PyBuffer_Release(&rows);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -985,6 +1219,12 @@ static PyMethodDef methods[] = {
     {"walk_chains", walk_chains, METH_VARARGS,
      "walk_chains(rows, tokens, spans, limit, stop_ids, repeat[, valid[, seconds]]) -> (checked, "
      "rejected, failed, message): traverse and repair many chains in one call, GIL released."},
+    {"pack_chains", pack_chains, METH_VARARGS,
+     "pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit, "
+     "stop_ids, seconds]) -> (tokens, table, owners, walked), (checked, rejected, failed, "
+     "message) with `limit`, or None: per-request draft lists as walk_chains' table, the rows "
+     "no grammar walks written; with `limit`, walked and repaired in the same call (GIL "
+     "released)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,11 +10,10 @@ start). ``<|im_start|>`` stands for ``</think>``. Every round draws a random bat
 pool.
 
 ``portable_spec``
-    A strided chain build (vLLM 0.33's layout, docs/porting/chains.md): the
-    ``[batch, K + 1]`` chain array from the per-request draft lists, ``Reasoning`` for the
-    requests still reasoning, then
-    ``build_host_bitmask(..., out=buffer, reasoning=..., return_valid=True)`` on the drafts as
-    the drafter wrote them.
+    A strided chain build (vLLM 0.33's layout, docs/porting/chains.md):
+    ``build_chain_bitmask(matchers, drafts, vocab_size, rows_per_request=K + 1, out=buffer,
+    reasoning=..., return_valid=True)`` on the per-request draft lists as the drafter wrote
+    them, ``Reasoning`` for the requests still reasoning.
 ``serial_fill``
     vLLM's fill, request after request, on a torch int32 buffer from
     ``xgrammar.allocate_token_bitmask`` (what vLLM allocates): for each position fill the row
@@ -245,16 +244,12 @@ def chain_methods(setup: Setup, k: int, out: np.ndarray, bitmask: Any) -> list[M
         rows = batch.size * (k + 1)
 
         def call() -> Any:
-            # one numpy call for the array, a Python any(): each numpy call costs tens of
-            # microseconds with cold caches, as much as a batch-1 build's own work
-            chains = np.array(
-                [[-1, *row, *[-1] * (k - len(row))] for row in drafts], dtype=np.int64
-            )
+            # the draft lists as the drafter wrote them: no padded array, no tree
             rule = ps.Reasoning(reasoning, [END_TOKEN]) if any(reasoning) else None
-            tree = ps.GrammarTree.from_linear_chain(chains)
-            mask, _valid = ps.build_host_bitmask(
-                matchers, tree, vocab_size, out=out[:rows], reasoning=rule, return_valid=True
-            )
+            mask, _valid = ps.build_chain_bitmask(
+                matchers, drafts, vocab_size, rows_per_request=k + 1, out=out[:rows],
+                reasoning=rule, return_valid=True,
+            )  # fmt: skip
             return mask
 
         return call

@@ -16,7 +16,8 @@ Phases: ``tree`` (``GrammarTree.from_linear_chain``), ``resolve`` (the tree's ho
 moves), ``engine_walk`` (xgrammar's ``traverse_draft_tree`` alone: the engine's own call the
 build makes), ``repair`` (the compiled row repair with the valid flags), ``build`` (the whole
 ``build_host_bitmask(..., out=, return_valid=True)`` over ``from_linear_chain``, tree creation
-included), ``build_packed`` (the same over ``from_packed_chains``) and ``serial_fill`` (the
+included), ``build_packed`` (the same over ``from_packed_chains``), ``build_lists``
+(``build_chain_bitmask`` on the request's draft list, no tree) and ``serial_fill`` (the
 vLLM-style per-token fill of the same rows: the engine's own loop). ``overhead`` is ``build``
 minus ``engine_walk``: what the library adds above the engine's own calls.
 
@@ -61,6 +62,7 @@ PERCALL_PHASES = (
     "repair",
     "build",
     "build_packed",
+    "build_lists",
     "serial_fill",
 )
 REGIMES = ("warm", "cold")
@@ -130,6 +132,9 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
             "build_packed": lambda: ps.build_host_bitmask(
                 [matcher], ps.GrammarTree.from_packed_chains(tokens, offsets), vocab, out=out,
                 return_valid=True,
+            ),
+            "build_lists": lambda: ps.build_chain_bitmask(
+                [matcher], [drafts], vocab, rows_per_request=k + 1, out=out, return_valid=True
             ),
             "serial_fill": lambda: serial_fill(batch, bitmask, k, frozenset()),
             "_fresh_tree": lambda: fresh.insert(0, ps.GrammarTree.from_linear_chain(chain)),
@@ -207,6 +212,7 @@ def run_percall_section(
                 "us": us,
                 "overhead_us": us["build"] - us["engine_walk"],
                 "overhead_packed_us": us["build_packed"] - us["engine_walk"],
+                "overhead_lists_us": us["build_lists"] - us["engine_walk"],
                 "serial_fill_over_build": us["serial_fill"] / us["build"],
                 "other_busy_cores": busy,
             }
@@ -228,6 +234,7 @@ def percall_table(records: Sequence[dict[str, Any]]) -> str:
     for key, label in (
         ("overhead_us", "overhead: build - engine_walk"),
         ("overhead_packed_us", "overhead: build_packed - engine_walk"),
+        ("overhead_lists_us", "overhead: build_lists - engine_walk"),
     ):
         lines.append(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in records) + " |")
     ratios = " | ".join(f"{r['serial_fill_over_build']:.2f}x" for r in records)
@@ -324,6 +331,7 @@ def issue_targets(payload: dict[str, Any]) -> list[Any]:
             ratios = [
                 ("linear", record["overhead_us"]),
                 ("packed", record["overhead_packed_us"]),
+                ("lists", record["overhead_lists_us"]),
             ]
         add(f"fixed cost bs1 K=1, {regime}: build - engine walk (µs)", bound, ratios)
     return targets

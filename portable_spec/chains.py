@@ -1,0 +1,319 @@
+"""Chain engines' masks straight from their per-request draft lists.
+
+A chain engine (vLLM, MTP, EAGLE's chain mode) holds each request's drafts as a Python list.
+:func:`build_chain_bitmask` takes those lists as they are: no padded array, no tree object.
+When every grammar is an xgrammar matcher the compiled helper can call (the common case), the
+lists are read by one compiled call that also writes the rows no grammar walks (unconstrained
+requests, padding, the free rows of a request still reasoning), and the chains are walked and
+repaired by another (xgrammar's C++ traversal, GIL released; big batches in parts on the
+library's pool). Anything else takes the general build over the equivalent
+:class:`~portable_spec.GrammarTree`, with the same rows, the same checks and the same errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from portable_spec import native as compiled
+from portable_spec.builder import build_host_bitmask, jobs
+from portable_spec.builder.reasoning import Reasoning
+from portable_spec.engines.xgrammar import xgrammar_info
+from portable_spec.errors import MatcherError
+from portable_spec.grammars import XGRAMMAR, _kind_by_type
+from portable_spec.pending import pending_builds
+from portable_spec.pool import get_num_threads
+from portable_spec.stats import record_build
+from portable_spec.tree import GrammarTree
+
+__all__ = ["build_chain_bitmask", "chain_tree"]
+
+_NO_ENDS = np.zeros(0, dtype=np.int64)
+_end_arrays: dict[frozenset[int], np.ndarray] = {}
+
+
+def build_chain_bitmask(
+    grammars: Sequence[Any],
+    drafts: Sequence[Sequence[int]],
+    vocab_size: int,
+    *,
+    rows_per_request: int | None = None,
+    out: Any = None,
+    reasoning: Reasoning | None = None,
+    return_valid: bool = False,
+) -> Any:
+    """The grammar bitmask of a batch of draft chains, from the engine's per-request lists.
+
+    Request ``b``'s chain is its root (the state after its committed tokens) followed by
+    ``drafts[b]``: ``1 + len(drafts[b])`` nodes, one mask row each. The rows are exactly those
+    of :func:`portable_spec.build_host_bitmask` over :func:`chain_tree` of the same drafts
+    (same row contract, same ``reasoning`` rule, same valid flags, same errors).
+
+    Args:
+        grammars: one entry per request, as for :func:`portable_spec.build_host_bitmask`
+            (``None``, an ``xgrammar.GrammarMatcher`` or a
+            :class:`portable_spec.GrammarMatcherLike`), each in the state after the request's
+            committed tokens.
+        drafts: ``[batch]`` sequences of int token ids (lists, tuples or 1-D integer arrays;
+            or one 2-D integer array ``[batch, K]``). A draft outside ``[0, vocab_size)`` is
+            refused like any draft the grammar refuses.
+        vocab_size: the model's vocabulary size (the logits' width).
+        rows_per_request: ``None`` (packed: request ``b``'s rows follow request ``b - 1``'s,
+            ``1 + len(drafts[b])`` each, no padding) or ``R``: request ``b``'s rows are
+            ``b * R`` to ``b * R + R - 1``, its chain first, then all-allowed rows that no
+            draft reaches (as ``-1`` padding in :meth:`GrammarTree.from_linear_chain`); every
+            request needs ``len(drafts[b]) < R``.
+        out: optional C-contiguous writable int32 ``[rows, ceil(vocab_size / 32)]`` numpy
+            buffer to write into (``rows``: ``batch * R``, or the sum of the chains' lengths).
+        reasoning: an optional :class:`portable_spec.Reasoning` (requests still reasoning get
+            their grammar only after the end token).
+        return_valid: also return which nodes are accepted.
+
+    Returns:
+        The int32 ``[rows, ceil(vocab_size / 32)]`` mask (``out`` itself when given); with
+        ``return_valid``, ``(mask, valid)``: ``valid`` bool ``[batch, R]`` (strided) or
+        ``[rows]`` (packed). ``None`` (or ``(None, valid)``) when no request has a grammar.
+
+    Raises:
+        TypeError, ValueError: malformed drafts (naming the request), grammars,
+            ``vocab_size``, ``out`` or ``reasoning``; raised before any matcher moves.
+        MatcherError: a matcher failed during its walk (``request_index`` names it); every
+            matcher is back in its state.
+
+    Blocks until the mask is written; every matcher ends in the state it started in.
+    """
+    done = _direct(grammars, drafts, vocab_size, rows_per_request, out, reasoning, return_valid)
+    if done is not None:
+        return done
+    tree = chain_tree(drafts, rows_per_request)
+    return build_host_bitmask(
+        grammars, tree, vocab_size, out=out, reasoning=reasoning, return_valid=return_valid
+    )
+
+
+def chain_tree(drafts: Any, rows_per_request: int | None = None) -> GrammarTree:
+    """The :class:`~portable_spec.GrammarTree` of per-request draft lists (see
+    :func:`build_chain_bitmask`): ``from_packed_chains`` when ``rows_per_request`` is None,
+    else ``from_linear_chain`` of a ``[batch, rows_per_request]`` array (roots 0, ``-1``
+    after each request's drafts). Host arrays; ``TypeError``/``ValueError`` naming the
+    request at fault."""
+    if rows_per_request is not None and (
+        not isinstance(rows_per_request, Integral)
+        or isinstance(rows_per_request, bool)
+        or rows_per_request < 1
+    ):
+        raise ValueError(f"rows_per_request must be None or an int >= 1, got {rows_per_request!r}")
+    if isinstance(drafts, np.ndarray) and drafts.ndim == 2:
+        drafts = list(drafts)
+    if isinstance(drafts, (str, bytes)) or not isinstance(drafts, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"drafts must be a sequence of per-request token lists, got {type(drafts).__name__}"
+        )
+    chains = [_request_drafts(b, d) for b, d in enumerate(drafts)]
+    if rows_per_request is None:
+        lengths = [len(c) + 1 for c in chains]
+        offsets = np.zeros(len(chains) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.zeros(int(offsets[-1]), dtype=np.int64)
+        for b, chain in enumerate(chains):
+            tokens[offsets[b] + 1 : offsets[b + 1]] = chain
+        return GrammarTree.from_packed_chains(tokens, offsets)
+    width = int(rows_per_request)
+    padded = np.full((len(chains), width), -1, dtype=np.int64)
+    padded[:, 0] = 0
+    for b, chain in enumerate(chains):
+        if len(chain) >= width:
+            raise ValueError(
+                f"drafts[{b}] holds {len(chain)} drafts; rows_per_request={width} leaves room "
+                f"for {width - 1}"
+            )
+        padded[b, 1 : 1 + len(chain)] = chain
+    return GrammarTree.from_linear_chain(padded)
+
+
+def _request_drafts(b: int, drafts: Any) -> np.ndarray:
+    """Request ``b``'s drafts as int64 ``[k]``; ``TypeError``/``ValueError`` naming it."""
+    if isinstance(drafts, (str, bytes)) or not isinstance(drafts, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"drafts[{b}] must be a sequence of int token ids, got {type(drafts).__name__}"
+        )
+    if len(drafts) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not isinstance(drafts, np.ndarray) and any(isinstance(t, (bool, np.bool_)) for t in drafts):
+        raise TypeError(f"drafts[{b}] must hold int token ids, not bools")
+    try:
+        array = np.asarray(drafts)
+    except (ValueError, TypeError):
+        raise TypeError(f"drafts[{b}] must be a flat sequence of int token ids") from None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(
+            f"drafts[{b}] must be a 1-D sequence of int token ids, got dtype {array.dtype} "
+            f"and shape {array.shape}"
+        )
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"drafts[{b}] holds a token id outside int64")
+    return array.astype(np.int64, copy=False)
+
+
+def _direct(
+    grammars: Any,
+    drafts: Any,
+    vocab_size: Any,
+    rows_per_request: Any,
+    out: Any,
+    reasoning: Any,
+    return_valid: bool,
+) -> Any:
+    """:func:`build_chain_bitmask` through the compiled helper when every grammar is an
+    xgrammar matcher it can call (already probed at the model's width, sharing stop tokens),
+    the lists plain Python ints and ``out`` valid; ``None`` otherwise (nothing written, no
+    matcher moved)."""
+    native = compiled.native
+    if native is None or native is not compiled.bound_helper():
+        return None
+    kind = type(grammars)
+    if (kind is not list and kind is not tuple) or type(vocab_size) is not int or vocab_size <= 0:
+        return None
+    batch = len(grammars)
+    if type(drafts) is np.ndarray and drafts.ndim == 2 and drafts.dtype.kind in "iu":
+        drafts = drafts.tolist()
+    kind = type(drafts)
+    if (kind is not list and kind is not tuple) or len(drafts) != batch or batch == 0:
+        return None
+    if pending_builds():
+        return None
+    if rows_per_request is None:
+        stride = 0
+    elif type(rows_per_request) is int and rows_per_request >= 1:
+        stride = rows_per_request
+    else:
+        return None
+    words = (vocab_size + 31) >> 5
+    handles = []
+    first = None
+    live = 0
+    for g in grammars:
+        if g is None:
+            handles.append(0)
+            continue
+        if _kind_by_type.get(type(g)) != XGRAMMAR:
+            return None
+        info = xgrammar_info(g)
+        if info is None or not info.handle or info.words != words:
+            return None
+        if first is None:
+            first = info
+        elif info.stop_set != first.stop_set or info.vocab_size != first.vocab_size:
+            return None
+        handles.append(info.handle)
+        live += 1
+    if first is None or (live > 1 and len({id(g) for g in grammars if g is not None}) != live):
+        return None
+    active, ends = None, _NO_ENDS
+    if reasoning is not None:
+        rule = _plain_reasoning(reasoning, batch, vocab_size)
+        if rule is None:
+            return None
+        active, ends = rule
+    try:
+        rows = batch * stride if stride else batch + sum(map(len, drafts))
+    except TypeError:
+        return None
+    if out is None:
+        mask = np.empty((rows, words), dtype=np.int32)
+    elif (
+        type(out) is np.ndarray
+        and out.dtype == np.int32
+        and out.shape == (rows, words)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        mask = out
+    else:
+        return None
+    valid = np.empty(rows, dtype=bool) if return_valid else None
+    limit = min(vocab_size, first.vocab_size)
+    began = perf_counter()
+    if rows < jobs.CHAIN_TABLE_PARALLEL_ROWS or live == 1 or get_num_threads() == 1:
+        # the common small call: read, walked and repaired in one compiled call
+        seconds = np.zeros(batch, dtype=np.float64)
+        done = native.pack_chains(
+            drafts, handles, stride, vocab_size, ends, active, mask, valid, limit,
+            first.stop_ids, seconds,
+        )  # fmt: skip
+        if done is None:
+            return None
+        checked, rejected, failed, message = done
+        if failed >= 0:
+            raise MatcherError(failed, RuntimeError(message))
+        walks = [(b, t) for b, t in enumerate(seconds.tolist()) if handles[b]]
+    else:  # read in one call, then walked in parts on the pool
+        packed = native.pack_chains(drafts, handles, stride, vocab_size, ends, active, mask, valid)
+        if packed is None:
+            return None
+        tokens, table, owners, walked = packed
+        walks, checked, rejected = [], 0, 0
+        if table:
+            who = np.frombuffer(owners, dtype=np.int64).tolist()
+            try:
+                checked, rejected, walks = jobs.walk_chain_table(
+                    mask,
+                    np.frombuffer(tokens, dtype=np.int64),
+                    np.frombuffer(table, dtype=np.int64).reshape(-1, 4),
+                    limit,
+                    first.stop_ids,
+                    valid,
+                    walked,
+                )
+            except MatcherError as exc:
+                raise MatcherError(who[exc.request_index], exc.error) from exc.error
+            walks = [(who[c], t) for c, t in walks]
+    record_build(
+        walks,
+        rows,
+        walk_seconds=perf_counter() - began,
+        checked_nodes=checked,
+        rejected_nodes=rejected,
+    )
+    if valid is None:
+        return mask
+    return mask, valid.reshape(batch, stride) if stride else valid
+
+
+def _plain_reasoning(reasoning: Any, batch: int, vocab_size: int) -> Any:
+    """``(active list of bools, int64 end tokens)`` of a :class:`Reasoning` the compiled
+    helper follows (no content end tokens, plain ints and bools), else ``None``."""
+    if type(reasoning) is not Reasoning:
+        return None
+    content = reasoning.content_end_token_ids
+    if type(content) not in (tuple, list, frozenset, set) or content:
+        return None
+    active = reasoning.active
+    if type(active) is np.ndarray and active.dtype == np.bool_ and active.ndim == 1:
+        active = active.tolist()
+    elif type(active) is tuple:
+        active = list(active)
+    if type(active) is not list or len(active) != batch:
+        return None
+    ends = reasoning.end_token_ids
+    if type(ends) is int:
+        ends = (ends,)
+    if type(ends) not in (tuple, list, frozenset, set) or not ends:
+        return None
+    if not all(type(t) is int for t in ends):  # bools and numpy ints: the general checks
+        return None
+    ids = frozenset(ends)
+    array = _end_arrays.get(ids)
+    if array is None:
+        if not all(0 <= t < vocab_size for t in ids):
+            return None
+        array = np.array(sorted(ids), dtype=np.int64)
+        if len(_end_arrays) < 64:
+            _end_arrays[ids] = array
+    elif int(array[-1]) >= vocab_size:
+        return None
+    return active, array
