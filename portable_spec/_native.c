@@ -74,8 +74,8 @@
  *       untouched.
  *       `seconds` (float64 [chains]), when given, receives each chain's walk and repair time.
  *
- *   pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid)
- *       -> (tokens, table, owners, walked) or None
+ *   pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit,
+ *               stop_ids, seconds, repeat]) -> (tokens, table, owners, walked) or None
  *       An engine's per-request draft lists (a list or tuple of lists or tuples of ints) made
  *       into walk_chains' input: `tokens` (bytes of int64, each request's root 0 then its
  *       drafts), `table` (bytes of int64 [chains, 4]) and `owners` (bytes of int64 [chains]:
@@ -91,7 +91,7 @@
  *       list, a draft (not an int, or outside int64), a handle or a flag is malformed, a
  *       chain does not fit its stride or R is not the rows of the requests.
  *       With `limit` (and `stop_ids`, int64 [S]) the chains are walked and repaired in the
- *       same call, the GIL released, as walk_chains does without `repeat`; it then returns
+ *       same call, the GIL released, as walk_chains does (`repeat`: its rule); it then returns
  *       (checked, rejected, failed, message) like walk_chains, `failed` the request's index,
  *       and `seconds` (float64 [requests], when given) receives each walked request's time.
  *
@@ -1014,8 +1014,10 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
     PyObject *stops_obj = Py_None, *seconds_obj = Py_None;
     Py_ssize_t stride;
     long long vocab, limit = -1;
-    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOO", &drafts, &handles, &stride, &vocab, &ends_obj,
-                          &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj))
+    int repeat = 0;
+    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOOi", &drafts, &handles, &stride, &vocab, &ends_obj,
+                          &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj,
+                          &repeat))
         return NULL;
     int walk = limit >= 0;
     if (walk && ffi_call == NULL) {
@@ -1148,7 +1150,7 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
     char *error = NULL;
     Py_BEGIN_ALLOW_THREADS
     failed = walk_table(mask, words, tok, table, chains, matchers, links, longest, limit,
-                        (const int64_t *)stops.buf, stops.shape[0], 0, flags, times, &checked,
+                        (const int64_t *)stops.buf, stops.shape[0], repeat, flags, times, &checked,
                         &rejected, &error);
     Py_END_ALLOW_THREADS
     if (has_seconds) {
@@ -1221,7 +1223,7 @@ static PyMethodDef methods[] = {
      "rejected, failed, message): traverse and repair many chains in one call, GIL released."},
     {"pack_chains", pack_chains, METH_VARARGS,
      "pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit, "
-     "stop_ids, seconds]) -> (tokens, table, owners, walked), (checked, rejected, failed, "
+     "stop_ids, seconds, repeat]) -> (tokens, table, owners, walked), (checked, rejected, failed, "
      "message) with `limit`, or None: per-request draft lists as walk_chains' table, the rows "
      "no grammar walks written; with `limit`, walked and repaired in the same call (GIL "
      "released)."},

@@ -167,12 +167,19 @@ def _walks(monkeypatch, direct):
     _vllm_fast.forget_grammars()
     calls = []
     walk = compiled.native.walk_chains
+    pack = compiled.native.pack_chains
 
     def spy(*args):
         calls.append(len(args[2]))
         return walk(*args)
 
+    def pack_spy(*args):  # a pack that walks (a limit given): one call over every request
+        if len(args) > 8:
+            calls.append(len(args[0]))
+        return pack(*args)
+
     monkeypatch.setattr(compiled.native, "walk_chains", spy)
+    monkeypatch.setattr(compiled.native, "pack_chains", pack_spy)
     if not direct:
         monkeypatch.setattr(compiled, "xgrammar_handle", lambda matcher: 0)
     elif not compiled.xgrammar_handle(Request(xgr_any_grammar()).fresh()):

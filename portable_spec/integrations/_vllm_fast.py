@@ -41,6 +41,7 @@ __all__ = ["fast_rows", "forget_grammars", "may_reason"]
 
 
 _NO_STOPS = np.zeros(0, dtype=np.int64)
+_NO_DRAFTS: list[int] = []  # never modified
 _WRAPPER = "XgrammarGrammar"  # vLLM's xgrammar grammar class
 _wrapper_types: set[type] = set()  # classes of that name seen (one type test per request)
 
@@ -110,15 +111,15 @@ def fast_rows(
     words = buffer.shape[1]
     known = _known
     wrappers = _wrapper_types
-    flat: list[int] = []  # chains back to back, root (0) first
-    spans: list[int] = []  # per request: first row, first token, nodes, matcher handle
+    drafts: list[list[int]] = []  # per request: its drafts (the root is implied)
+    handles: list[int] = []  # per request: its matcher's handle, 0 when terminated
     matchers: list[Any] = []  # per request: the matcher to walk, None when terminated
     stops: list[np.ndarray] = []  # per live request: its stop tokens
     direct = native is compiled.bound_helper()  # so far every live matcher has a handle
     common = None  # the live requests' stop tokens while they agree
     same_stops = True
     stride = 0 if stride_k is None else stride_k + 1
-    pos = row = 0
+    longest = row = 0
     for req_id in ids:
         grammar = requests[req_id].structured_output_request.grammar
         kind = type(grammar)
@@ -126,12 +127,9 @@ def fast_rows(
             if kind.__name__ != _WRAPPER:
                 return None
             wrappers.add(kind)
-        tokens = spec.get(req_id)
-        nodes = 1
-        if tokens:
-            if min(tokens) < 0:
-                return None  # padding: the checked path splits the request
-            nodes += len(tokens)
+        tokens = spec.get(req_id) or _NO_DRAFTS
+        if tokens and min(tokens) < 0:
+            return None  # padding: the checked path splits the request
         if grammar.is_terminated():
             matcher, handle = None, 0  # all-allowed rows, the matcher not called
         else:
@@ -150,36 +148,51 @@ def fast_rows(
             direct = direct and handle != 0
             stops.append(stop)
         matchers.append(matcher)
-        spans += (row, pos, nodes, handle)
-        flat.append(0)
-        if tokens:
-            flat += tokens
-        pos += nodes
+        handles.append(handle)
+        drafts.append(tokens)
+        nodes = len(tokens) + 1
+        longest = max(longest, nodes)
         row += stride or nodes
-    n = len(matchers)
     if len(stops) > 1 and len({id(m) for m in matchers if m is not None}) != len(stops):
         return None  # a matcher listed twice
-    if stride and max(spans[2::4], default=0) > stride:
+    if stride and longest > stride:
         return None  # a chain longer than the layout's K + 1 rows
     total = row
     if total > buffer.shape[0]:
         return None
     out = buffer[:total]
-    draft = np.array(flat, dtype=np.int64)
-    table = np.array(spans, dtype=np.int64).reshape(n, 4)
     unwritten: list[int] = []
-    if stride_k is not None:
-        for c in range(n):
-            first, length = spans[4 * c], spans[4 * c + 2]
+    if stride:
+        for c, tokens in enumerate(drafts):
+            first, length = c * stride, len(tokens) + 1
             if length < stride:
-                out[first + length : first + stride] = -1
                 unwritten.extend(range(first + length, first + stride))
     limit = words * 32
     if direct and stops and same_stops:
-        _, _, failed, message = native.walk_chains(out, draft, table, limit, common, 1)
+        # read, walked and repaired in one compiled call (padding rows of the strided
+        # layout written all-allowed by it); terminated requests' rows all-allowed
+        done = native.pack_chains(
+            drafts, handles, stride, limit, _NO_STOPS, None, out, None, limit, common, None, 1
+        )
+        if done is None:
+            return None  # a draft that is not a plain int: the checked path reads it
+        _, _, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
     else:
+        flat: list[int] = []  # chains back to back, root (0) first
+        spans: list[int] = []  # per request: first row, first token, nodes, live (later)
+        pos = 0
+        for c, tokens in enumerate(drafts):
+            nodes = len(tokens) + 1
+            spans += (c * stride if stride else pos, pos, nodes, 0)
+            flat.append(0)
+            flat += tokens
+            pos += nodes
+        if stride:
+            out[unwritten] = -1
+        draft = np.array(flat, dtype=np.int64)
+        table = np.array(spans, dtype=np.int64).reshape(len(drafts), 4)
         _walk_each(native, matchers, stops, out, draft, table, limit, same_stops)
     manager._portable_spec_unwritten = unwritten
     return out
