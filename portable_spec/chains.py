@@ -239,8 +239,9 @@ def _direct(
     limit = min(vocab_size, first.vocab_size)
     began = perf_counter()
     if rows < jobs.CHAIN_TABLE_PARALLEL_ROWS or live == 1 or get_num_threads() == 1:
-        # the common small call: read, walked and repaired in one compiled call
-        seconds = np.zeros(batch, dtype=np.float64)
+        # the common small call: read, walked and repaired in one compiled call (per-request
+        # times only for a batch: each numpy call costs microseconds with cold caches)
+        seconds = np.zeros(batch, dtype=np.float64) if batch > 1 else None
         done = native.pack_chains(
             drafts, handles, stride, vocab_size, ends, active, mask, valid, limit,
             first.stop_ids, seconds,
@@ -250,7 +251,10 @@ def _direct(
         checked, rejected, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
-        walks = [(b, t) for b, t in enumerate(seconds.tolist()) if handles[b]]
+        if seconds is None:
+            walks = [(0, perf_counter() - began)]
+        else:
+            walks = [(b, t) for b, t in enumerate(seconds.tolist()) if handles[b]]
     else:  # read in one call, then walked in parts on the pool
         packed = native.pack_chains(drafts, handles, stride, vocab_size, ends, active, mask, valid)
         if packed is None:

@@ -383,6 +383,7 @@ def test_large_chain_batches_are_walked_in_parts_on_the_pool(smollm2, monkeypatc
         return parts[-1]
 
     monkeypatch.setattr(jobs, "_balanced_cuts", spy)
+    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 48)  # parts at this small size
     rng = random.Random(30)
     k = 4
     pairs = [_random_chain(rng, smollm2, k) for _ in range(24)]
@@ -420,10 +421,12 @@ def test_large_chain_batches_are_walked_in_parts_on_the_pool(smollm2, monkeypatc
 
 
 @compiled_only
-def test_a_refusal_in_a_later_part_names_its_request(smollm2):
+def test_a_refusal_in_a_later_part_names_its_request(smollm2, monkeypatch):
     """The parts report chain indices of the whole table: xgrammar refusing the rows of the
     first live chain in the second part names that chain."""
     from portable_spec.builder import jobs
+
+    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 48)  # parts at this small size
 
     matchers = [xgr.GrammarMatcher(smollm2.grammars["json_schema"]) for _ in range(12)]
     n = 5
