@@ -74,6 +74,15 @@
  *       untouched.
  *       `seconds` (float64 [chains]), when given, receives each chain's walk and repair time.
  *
+ *   walk_trees(rows, next_token, next_sibling, tokens, spans, limit, stop_ids[, valid[,
+ *              seconds]]) -> (checked, rejected, failed, message)
+ *       walk_chains for trees: tree c's links and tokens are next_token, next_sibling and
+ *       tokens (int64 [T] each, links local to the tree) from the span's second column on,
+ *       for its length; a live matcher's tree is filled by traverse_draft_tree, then
+ *       repaired as repair_rows does (`valid` gets the accepted nodes); a terminated or
+ *       absent matcher's rows are all-allowed, only its root accepted. Links must be valid
+ *       (links_valid); they are still bounds-checked.
+ *
  *   pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit,
  *               stop_ids, seconds, repeat]) -> (tokens, table, owners, walked) or None
  *       An engine's per-request draft lists (a list or tuple of lists or tuples of ints) made
@@ -983,6 +992,147 @@ fail_rows:
     return NULL;
 }
 
+/* Walk and repair the trees of a span table (see walk_trees): each tree's links and tokens
+   start at its span's second column in `nt`, `ns`, `tok`; `scratch` has room for a queue and
+   flags of the longest tree. Returns the index of the tree xgrammar refused (its message in
+   *error, malloc'd), or -1. No GIL needed. */
+static Py_ssize_t walk_tree_table(int32_t *mask, Py_ssize_t words, int64_t *nt, int64_t *ns,
+                                  int64_t *tok, const int64_t *sp, Py_ssize_t trees,
+                                  const FfiAny *matchers, int32_t *queue, uint8_t *keep,
+                                  long long limit, const int64_t *stop, Py_ssize_t nstops,
+                                  uint8_t *flags, double *times, Py_ssize_t *checked,
+                                  Py_ssize_t *rejected, char **error) {
+    struct timespec began, ended;
+    if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
+    for (Py_ssize_t c = 0; c < trees; c++) {
+        int32_t *base = mask + sp[4 * c] * words;
+        Py_ssize_t at = (Py_ssize_t)sp[4 * c + 1], n = (Py_ssize_t)sp[4 * c + 2];
+        int live = 0;
+        if (sp[4 * c + 3] != 0) {
+            int terminated = 0;
+            if (call_traverse(&matchers[c], nt + at, ns + at, tok + at, base, n, words,
+                              &terminated, error) != 0)
+                return c;
+            live = !terminated;
+        }
+        Py_ssize_t c_checked = 0, c_rejected = 0;
+        decide_rows(base, n, words, nt + at, ns + at, tok + at, limit, stop, nstops, live,
+                    queue, keep, flags != NULL ? flags + sp[4 * c] : NULL, &c_checked,
+                    &c_rejected);
+        for (Py_ssize_t v = 0; v < n; v++)
+            if (!keep[v]) memset(base + v * words, 0xff, sizeof(int32_t) * (size_t)words);
+        *checked += c_checked;
+        *rejected += c_rejected;
+        if (times != NULL) {
+            clock_gettime(CLOCK_MONOTONIC, &ended);
+            times[c] = (double)(ended.tv_sec - began.tv_sec) +
+                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
+            began = ended;
+        }
+    }
+    return -1;
+}
+
+static PyObject *walk_trees(PyObject *self, PyObject *args) {
+    PyObject *rows_obj, *nt_obj, *ns_obj, *tokens_obj, *spans_obj, *stops_obj;
+    PyObject *valid_obj = Py_None, *seconds_obj = Py_None;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OOOOOLO|OO", &rows_obj, &nt_obj, &ns_obj, &tokens_obj,
+                          &spans_obj, &limit, &stops_obj, &valid_obj, &seconds_obj))
+        return NULL;
+    if (ffi_call == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
+        return NULL;
+    }
+    Py_buffer rows, nt, ns, tokens, stops, valid, seconds;
+    Py_ssize_t trees = 0;
+    int64_t *sp = NULL;
+    int has_valid = valid_obj != Py_None, has_seconds = seconds_obj != Py_None;
+    PyObject *result = NULL;
+    if (get_buffer(rows_obj, &rows, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    if (get_buffer(nt_obj, &nt, 0, 'i', 8, 1, "next_token") != 0) goto fail_rows;
+    if (get_buffer(ns_obj, &ns, 0, 'i', 8, 1, "next_sibling") != 0) goto fail_nt;
+    if (get_buffer(tokens_obj, &tokens, 0, 'i', 8, 1, "tokens") != 0) goto fail_ns;
+    if ((sp = read_spans(spans_obj, &trees)) == NULL) goto fail_tokens;
+    if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
+    Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], nlinks = tokens.shape[0];
+    if (has_valid && get_flags(valid_obj, &valid, nrows) != 0) goto fail_stops;
+    Py_ssize_t longest = 1;
+    int bad = limit > (long long)words * 32 || nt.shape[0] != nlinks || ns.shape[0] != nlinks;
+    for (Py_ssize_t c = 0; c < trees && !bad; c++) {
+        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
+        bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > nlinks - n;
+        if (!bad && n > longest) longest = n;
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "walk_trees: spans out of bounds or malformed");
+        goto fail_valid;
+    }
+    if (has_seconds) {
+        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
+            goto fail_valid;
+        const char *fmt = seconds.format ? seconds.format : "B";
+        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] < trees) {
+            PyBuffer_Release(&seconds);
+            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per tree");
+            goto fail_valid;
+        }
+    }
+    FfiAny *matchers = PyMem_Calloc((size_t)(trees > 0 ? trees : 1), sizeof(FfiAny));
+    void *scratch = PyMem_Malloc((size_t)longest * (sizeof(int32_t) + 1));
+    if (matchers == NULL || scratch == NULL) {
+        PyMem_Free(matchers);
+        PyMem_Free(scratch);
+        PyErr_NoMemory();
+        goto fail_seconds;
+    }
+    for (Py_ssize_t c = 0; c < trees; c++) {
+        if (sp[4 * c + 3] != 0 && matcher_arg((unsigned long long)sp[4 * c + 3], &matchers[c]) != 0) {
+            PyMem_Free(matchers);
+            PyMem_Free(scratch);
+            goto fail_seconds;
+        }
+    }
+    Py_ssize_t checked = 0, rejected = 0, failed = -1;
+    char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    failed = walk_tree_table((int32_t *)rows.buf, words, (int64_t *)nt.buf, (int64_t *)ns.buf,
+                             (int64_t *)tokens.buf, sp, trees, matchers, (int32_t *)scratch,
+                             (uint8_t *)scratch + sizeof(int32_t) * (size_t)longest, limit,
+                             (const int64_t *)stops.buf, stops.shape[0],
+                             has_valid ? (uint8_t *)valid.buf : NULL,
+                             has_seconds ? (double *)seconds.buf : NULL, &checked, &rejected,
+                             &error);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(matchers);
+    PyMem_Free(scratch);
+    if (failed < 0) {
+        result = Py_BuildValue("nnnO", checked, rejected, failed, Py_None);
+    } else {
+        result = Py_BuildValue("nnns", checked, rejected, failed,
+                               error != NULL ? error : "xgrammar failed");
+        free(error);
+    }
+fail_seconds:
+    if (has_seconds) PyBuffer_Release(&seconds);
+fail_valid:
+    if (has_valid) PyBuffer_Release(&valid);
+fail_stops:
+    PyBuffer_Release(&stops);
+fail_spans:
+    PyMem_Free(sp);
+fail_tokens:
+    PyBuffer_Release(&tokens);
+fail_ns:
+    PyBuffer_Release(&ns);
+fail_nt:
+    PyBuffer_Release(&nt);
+fail_rows:
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* pack_chains: an engine's per-request draft lists turned into walk_chains' table, and every
    row no grammar walks written. See the module comment. */
@@ -1221,6 +1371,10 @@ static PyMethodDef methods[] = {
     {"walk_chains", walk_chains, METH_VARARGS,
      "walk_chains(rows, tokens, spans, limit, stop_ids, repeat[, valid[, seconds]]) -> (checked, "
      "rejected, failed, message): traverse and repair many chains in one call, GIL released."},
+    {"walk_trees", walk_trees, METH_VARARGS,
+     "walk_trees(rows, next_token, next_sibling, tokens, spans, limit, stop_ids[, valid[, "
+     "seconds]]) -> (checked, rejected, failed, message): traverse and repair many trees in "
+     "one call, GIL released."},
     {"pack_chains", pack_chains, METH_VARARGS,
      "pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit, "
      "stop_ids, seconds, repeat]) -> (tokens, table, owners, walked), (checked, rejected, failed, "

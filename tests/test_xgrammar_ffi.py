@@ -17,7 +17,14 @@ import time
 import numpy as np
 import pytest
 import xgrammar as xgr
-from _oracle import Request, expected_accepted, expected_rows, fill_row, matcher_state
+from _oracle import (
+    Request,
+    expected_accepted,
+    expected_mask,
+    expected_rows,
+    fill_row,
+    matcher_state,
+)
 
 import portable_spec as ps
 import portable_spec.native as native_module
@@ -466,3 +473,48 @@ def test_both_schema_forms_of_xgrammar_are_read():
     assert native_module._signature(json.loads(named)) == want
     assert native_module._signature(json.loads(positional)) == want
     assert native_module._signature({}) == ([], [])
+
+
+@compiled_only
+@pytest.mark.parametrize("parts", [1, 2])
+def test_trees_walked_by_one_call_match_the_oracle(smollm2, monkeypatch, parts):
+    """A batch of xgrammar trees (four grammars, an unconstrained request, a terminated
+    matcher, unreachable padding) is walked and repaired by the compiled tree walker, in one
+    call or in two parts on the pool: rows and valid flags as the replay says, matchers back
+    in their state."""
+    from _cases import matrix_case
+    from _oracle import expected_valid
+
+    from portable_spec.builder import jobs
+
+    requests, nt, ns, dt, _ = matrix_case(smollm2, 8, 6)
+    requests[3] = _terminated_request(smollm2)
+    matchers = [None if r is None else r.native() for r in requests]
+    if not native_module.xgrammar_handle(matchers[0]):
+        pytest.skip("xgrammar's methods cannot be called through tvm-ffi's C ABI here")
+    calls = []
+    walk = native.walk_trees
+
+    def spy(*args):
+        calls.append(len(args[4]))
+        return walk(*args)
+
+    monkeypatch.setattr(native, "walk_trees", spy)
+    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 1 if parts == 2 else 10**9)
+    previous = ps.get_num_threads()
+    ps.set_num_threads(2)
+    probes = list(range(0, smollm2.size, 1013))
+    before = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
+    try:
+        mask, valid = ps.build_host_bitmask(
+            matchers, ps.GrammarTree.from_host(nt, ns, dt), smollm2.size, return_valid=True
+        )
+    finally:
+        ps.set_num_threads(previous)
+    assert sorted(calls) == ([8] if parts == 1 else [4, 4])
+    want = expected_mask(requests, nt, ns, dt, smollm2.size, smollm2.words)
+    np.testing.assert_array_equal(mask, want)
+    want_valid = expected_valid(requests, nt, ns, dt, smollm2.size, smollm2.words)
+    np.testing.assert_array_equal(valid, want_valid)
+    after = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
+    assert after == before

@@ -217,17 +217,18 @@ def _accept_walked(
 
 
 def _chain_table(build: Build, words: int) -> np.ndarray | None:
-    """The :func:`jobs.walk_chain_table` table of a chain build whose every constrained
-    request is an xgrammar matcher the compiled helper can call, of the mask's width, with
-    the same stop tokens; ``None`` for any other build (and for chains long enough for the
-    planner to split them over threads)."""
+    """The :func:`jobs.walk_chain_table` table of a build whose every constrained request is
+    an xgrammar matcher the compiled helper can call, of the mask's width, with the same stop
+    tokens; ``None`` for any other build (and for trees or chains big enough for the planner
+    to split them over threads). Chains and trees alike: a tree's links are read from the
+    resolved arrays, its row ``b * nodes``."""
     tree = build.tree
     helper = native.native
     if (
-        not (tree.is_chain or tree.is_packed)
-        or helper is None
+        helper is None
         or helper is not native.bound_helper()
         or tree.nodes >= jobs.SPLIT_MIN_NODES
+        or not build.constrained
     ):
         return None
     nodes = tree.nodes
@@ -250,23 +251,29 @@ def _chain_table(build: Build, words: int) -> np.ndarray | None:
 
 
 def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any:
-    """The dense build of chains the compiled helper walks itself, in one call or in parts
-    on the pool (:func:`jobs.walk_chain_table`). Same result and accounting as the general
-    path."""
+    """The dense build of chains or trees the compiled helper walks itself, in one call or in
+    parts on the pool (:func:`jobs.walk_chain_table`). Same result and accounting as the
+    general path."""
     tree = build.tree
+    chains = tree.is_chain or tree.is_packed
     accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
     info = build.infos[build.constrained[0]]
     limit = min(build.vocab_size, info.vocab_size)  # type: ignore[union-attr]
-    tokens = build.arrays[2].reshape(-1)
+    next_token, next_sibling, draft = build.arrays
+    links = None if chains else (next_token.reshape(-1), next_sibling.reshape(-1))
     stop_ids = info.stop_ids  # type: ignore[union-attr]
     checked, rejected, walks = jobs.walk_chain_table(
-        mask, tokens, table, limit, stop_ids, accepted, tree.rows
+        mask, draft.reshape(-1), table, limit, stop_ids, accepted, tree.rows, links
     )
     if accepted is not None:
+        reachable = None if chains else tree.topology().reachable
         for b, kind in enumerate(build.kinds):
-            if kind == NONE:  # every node of an unconstrained chain is accepted
+            if kind == NONE:  # an unconstrained request: every node a link reaches accepted
                 start, n = build.spans[b]
-                accepted[start : start + n] = True
+                if reachable is None:
+                    accepted[start : start + n] = True
+                else:
+                    accepted[start : start + n] = reachable[start : start + n]
     walked = [w for w in walks if build.kinds[w[0]] != NONE]
     return jobs.settle(build.tree, build.times, mask, accepted, walked, checked, rejected)
 

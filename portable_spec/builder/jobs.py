@@ -499,30 +499,37 @@ def walk_chain_table(
     stop_ids: np.ndarray,
     valid: np.ndarray | None,
     rows: int,
+    links: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[int, int, list[tuple[int, float]]]:
-    """Walk and repair chains of xgrammar matchers with the compiled helper's
-    ``walk_chains`` (xgrammar's C++ traversal through tvm-ffi's C ABI, GIL released).
+    """Walk and repair chains (or trees) of xgrammar matchers with the compiled helper's
+    ``walk_chains`` (``walk_trees`` with ``links``): xgrammar's C++ traversal through
+    tvm-ffi's C ABI, GIL released.
 
     ``table``: int64 ``[chains, 4]``, per chain its first row in ``mask`` (int32 ``[rows,
     words]``), its first token in ``tokens`` (int64, root first), its length and its matcher's
     :func:`portable_spec.native.xgrammar_handle` (0: no matcher, all-allowed rows); ``rows``
-    the sum of their lengths. With
+    the sum of their lengths. ``links``: ``(next_token, next_sibling)``, int64 like
+    ``tokens``, each tree's links local to it (valid: checked by the tree). With
     :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more than one library thread, the
     chains are cut into parts walked on the pool at once. ``valid`` (bool ``[rows]``) gets
     the accepted nodes. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
     seconds)`` of each chain. Blocks until every chain is done; a matcher xgrammar refuses
     raises :class:`MatcherError` naming its chain's index, every matcher back in its state.
     """
-    helper = native.native
+    helper: Any = native.native
     chains = len(table)
     seconds = np.zeros(chains, dtype=np.float64)
+    if links is None:
+        walk = partial(helper.walk_chains, mask, tokens)
+        tail: tuple[Any, ...] = (0, valid)
+    else:
+        walk = partial(helper.walk_trees, mask, links[0], links[1], tokens)
+        tail = (valid,)
     parts = 1
     if rows >= CHAIN_TABLE_PARALLEL_ROWS and chains > 1:
         parts = min(get_num_threads(), chains)
     if parts == 1:  # the common small call: no pool, no closure
-        checked, refused, failed, message = helper.walk_chains(  # type: ignore[union-attr]
-            mask, tokens, table, limit, stop_ids, 0, valid, seconds
-        )
+        checked, refused, failed, message = walk(table, limit, stop_ids, *tail, seconds)
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
         return checked, refused, list(enumerate(seconds.tolist()))
@@ -531,8 +538,8 @@ def walk_chain_table(
 
     def walk_part(i: int) -> None:
         lo, hi = bounds[i], bounds[i + 1]
-        checked, refused, failed, message = helper.walk_chains(  # type: ignore[union-attr]
-            mask, tokens, table[lo:hi], limit, stop_ids, 0, valid, seconds[lo:hi]
+        checked, refused, failed, message = walk(
+            table[lo:hi], limit, stop_ids, *tail, seconds[lo:hi]
         )
         counts[i] = checked, refused
         if failed >= 0:
