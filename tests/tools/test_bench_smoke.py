@@ -243,8 +243,20 @@ def test_per_call_targets_are_decided_by_the_records():
     runs = {
         "chains": [chain(1, 1, 0.0, 0.9), chain(1, 8, 0.0, 3.0), chain(1, 1, 0.5, 0.7)],
         "percall": [
-            {"regime": "warm", "k": 1, "overhead_us": 9.0, "overhead_packed_us": 11.0},
-            {"regime": "cold", "k": 1, "overhead_us": 39.0, "overhead_packed_us": 30.0},
+            {
+                "regime": "warm",
+                "k": 1,
+                "overhead_us": 9.0,
+                "overhead_packed_us": 11.0,
+                "overhead_lists_us": 6.0,
+            },
+            {
+                "regime": "cold",
+                "k": 1,
+                "overhead_us": 39.0,
+                "overhead_packed_us": 30.0,
+                "overhead_lists_us": 35.0,
+            },
         ],
     }
     targets = {t.name: t for t in issue_targets(runs)}

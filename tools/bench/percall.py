@@ -331,8 +331,9 @@ def issue_targets(payload: dict[str, Any]) -> list[Any]:
             ratios = [
                 ("linear", record["overhead_us"]),
                 ("packed", record["overhead_packed_us"]),
-                ("lists", record["overhead_lists_us"]),
             ]
+            if "overhead_lists_us" in record:  # records of runs before build_lists
+                ratios.append(("lists", record["overhead_lists_us"]))
         add(f"fixed cost bs1 K=1, {regime}: build - engine walk (µs)", bound, ratios)
     return targets
 
