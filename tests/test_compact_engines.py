@@ -50,12 +50,15 @@ def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatc
     assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
+@pytest.mark.parametrize("executor_from", [1, 10**9])
 @pytest.mark.parametrize("engines", [("llguidance",), ("llguidance", "xgrammar", "outlines")])
 @SETTINGS
 @given(data=st.data())
-def test_compact_chains_match_oracle(smollm2, engines, data):
+def test_compact_chains_match_oracle(smollm2, engines, executor_from, data, monkeypatch):
     """Chains take llguidance's one-call executor fill (into a block of the group's own,
-    then each request's live prefix is committed)."""
+    then each request's live prefix is committed), or below ``executor_from`` requests its
+    per-token chain loop."""
+    monkeypatch.setattr(jobs_module, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", executor_from)
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape

@@ -33,6 +33,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 PROBE = [0, 1, 2, 100, 1000, 18, 107]
+_EXECUTOR_FROM = jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS
 
 
 @pytest.mark.parametrize(
@@ -67,23 +68,37 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
+@pytest.mark.parametrize("executor_from", [1, 10**9])
 @pytest.mark.parametrize("engine", ["llguidance", "outlines"])
 @SETTINGS
 @given(data=st.data())
-def test_chains_match_oracle(smollm2, engine, data):
-    """Chains (from_linear_chain) take llguidance's one-call chain fill; same bits."""
+def test_chains_match_oracle(smollm2, engine, executor_from, data):
+    """Chains (from_linear_chain) take llguidance's one-call chain fill (from
+    ``executor_from`` requests on) or its per-token chain loop; same bits either way."""
+    jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS = executor_from
     make, kinds = engine_factory(smollm2, (engine,))
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
     case.next_sibling = np.full((batch, nodes), -1)
     chain = ps.GrammarTree.from_linear_chain(case.draft)
-    mask, valid = ps.build_host_bitmask(case.matchers, chain, case.vocab_size, return_valid=True)
+    before = matcher_prints(case.matchers, smollm2.words, PROBE)
+    reset_grammar_stats()
+    try:
+        result = ps.build_host_bitmask(case.matchers, chain, case.vocab_size, return_valid=True)
+    finally:
+        jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS = _EXECUTOR_FROM
+    mask, valid = result
     assert_mask_matches(case, smollm2.words, mask)
     arrays = (case.next_token, case.next_sibling, case.draft)
     np.testing.assert_array_equal(
         valid, expected_valid(case.requests, *arrays, case.vocab_size, smollm2.words)
     )
+    if mask is not None:
+        stats = ps.grammar_stats()
+        want = expected_node_counts(case.requests, *arrays, case.vocab_size, smollm2.words)
+        assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
+    assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
 # -- termination: one rule for every engine ---------------------------------------------------
@@ -278,6 +293,8 @@ def test_llguidance_chain_row_equal_to_the_sentinel(smollm2, tok, monkeypatch):
     """The chain fill tells written rows by a sentinel; a real row that happens to equal it
     is still recognised as written (decided on a fork), and the mask is unchanged."""
     import portable_spec.engines.llguidance as engine
+
+    monkeypatch.setattr(jobs_module, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", 1)
 
     text = tok.encode('{"name": "ab", "age": 4')
     dt = np.array([[0, *text]])

@@ -24,7 +24,7 @@ from portable_spec import native
 from portable_spec.builder.split import Split, Subtree, plan_split, walk_subtree
 from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.generic import walk_generic
-from portable_spec.engines.llguidance import walk_llguidance
+from portable_spec.engines.llguidance import walk_llguidance, walk_llguidance_chain
 from portable_spec.engines.outlines import walk_outlines
 from portable_spec.engines.xgrammar import walk_xgrammar
 from portable_spec.errors import MatcherError
@@ -77,6 +77,12 @@ SHORT_CHAIN_FACTOR = 64
 # against 1.39 ms; from 512 rows on the parts win, 2.42 against 2.53 ms, 1,280 rows 4.53
 # against 4.98).
 CHAIN_TABLE_PARALLEL_ROWS = 512
+# llguidance chains: from this many requests on, one call of llguidance's parallel executor;
+# below, each chain in a plain per-token loop on the calling thread (the executor's
+# hand-off and the pass that tells which rows it wrote cost more: 16-node chains of the JSON
+# schema, 86 against 215 µs at batch 1, 408 against 597 at 8, even at 32, 4.6 against 4.8 ms
+# at 64).
+LLGUIDANCE_EXECUTOR_MIN_REQUESTS = 32
 
 _PYTHON_WALKS = {GENERIC: walk_generic, LLGUIDANCE: walk_llguidance, OUTLINES: walk_outlines}
 
@@ -200,7 +206,8 @@ def plan_jobs(
     walks: list[tuple[int, Job]] = []  # Python walks: they hold the GIL
     constrained_rows = 0
     llguidance = [b for b, kind in enumerate(kinds) if kind == LLGUIDANCE]
-    if chains and llguidance:  # llguidance's executor fills chains in parallel itself
+    executor = chains and len(llguidance) >= LLGUIDANCE_EXECUTOR_MIN_REQUESTS
+    if executor and llguidance:  # llguidance's executor fills chains in parallel itself
         for width in sorted({infos[b].words for b in llguidance}):  # type: ignore[union-attr]
             group = {b: grammars[b] for b in llguidance if infos[b].words == width}  # type: ignore[union-attr]
             jobs.append(sink.llguidance_chains(group, width, draft, counts))
@@ -214,7 +221,7 @@ def plan_jobs(
                 owners.append(b)
             continue
         constrained_rows += n
-        if kind == LLGUIDANCE and chains:
+        if kind == LLGUIDANCE and executor:
             continue
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         limit = min(vocab_size, info.vocab_size)
@@ -226,7 +233,8 @@ def plan_jobs(
             )
             if kind == OUTLINES:
                 _check_depth(b, lists[0], lists[1], info)
-            walk = partial(_walk_into, _PYTHON_WALKS[kind], grammars[b], lists, limit)
+            walker = walk_llguidance_chain if chains and kind == LLGUIDANCE else _PYTHON_WALKS[kind]
+            walk = partial(_walk_into, walker, grammars[b], lists, limit)
             walks.append((b, sink.python_walk(b, walk, info, counts[b])))
             continue
         if b not in splits:
