@@ -184,6 +184,11 @@ def _direct(
     kind = type(drafts)
     if (kind is not list and kind is not tuple) or len(drafts) != batch or batch == 0:
         return None
+    if type(drafts[0]) is np.ndarray:  # per-request arrays: read as lists (one C call each)
+        drafts = [
+            d.tolist() if type(d) is np.ndarray and d.ndim == 1 and d.dtype.kind in "iu" else d
+            for d in drafts
+        ]
     if pending_builds():
         return None
     if rows_per_request is None:
