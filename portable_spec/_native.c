@@ -855,6 +855,47 @@ static int64_t *read_spans(PyObject *obj, Py_ssize_t *chains) {
     return out;
 }
 
+/* The longest span of a span table whose every span lies inside `nrows` rows and `ntok`
+   tokens, or -1 when one does not (or is empty). */
+static Py_ssize_t longest_span(const int64_t *sp, Py_ssize_t chains, Py_ssize_t nrows,
+                               Py_ssize_t ntok) {
+    Py_ssize_t longest = 1;
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
+        if (r < 0 || t < 0 || n < 1 || r > nrows - n || t > ntok - n) return -1;
+        if (n > longest) longest = n;
+    }
+    return longest;
+}
+
+/* A writable C-contiguous 1-D float64 buffer of at least n entries (per-walk times). */
+static int get_seconds(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
+        return -1;
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    if (*fmt != 'd' || view->itemsize != 8 || view->ndim != 1 || view->shape[0] < n) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per walk");
+        return -1;
+    }
+    return 0;
+}
+
+/* The tvm-ffi argument of each span's matcher (handles in the fourth column; 0: none), in a
+   PyMem block the caller frees; NULL with the error set. */
+static FfiAny *matcher_args(const int64_t *sp, Py_ssize_t chains) {
+    FfiAny *matchers = PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(FfiAny));
+    if (matchers == NULL) return (FfiAny *)PyErr_NoMemory();
+    for (Py_ssize_t c = 0; c < chains; c++) {
+        if (sp[4 * c + 3] != 0 && matcher_arg((unsigned long long)sp[4 * c + 3], &matchers[c]) != 0) {
+            PyMem_Free(matchers);
+            return NULL;
+        }
+    }
+    return matchers;
+}
+
 /* Walk and repair the chains of a span table (see walk_chains): `links` has room for two
    [longest] arrays, `matchers` one argument per chain (unused where its handle is 0).
    Returns the index of the chain xgrammar refused (its message in *error, malloc'd), or -1.
@@ -919,42 +960,18 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
     if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
     Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], ntok = tokens.shape[0];
     if (has_valid && get_flags(valid_obj, &valid, nrows) != 0) goto fail_stops;
-    Py_ssize_t longest = 1;
-    int bad = limit > (long long)words * 32;
-    for (Py_ssize_t c = 0; c < chains && !bad; c++) {
-        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
-        bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > ntok - n;
-        if (!bad && n > longest) longest = n;
-    }
-    if (bad) {
+    Py_ssize_t longest = longest_span(sp, chains, nrows, ntok);
+    if (longest < 0 || limit > (long long)words * 32) {
         PyErr_SetString(PyExc_ValueError, "walk_chains: spans out of bounds or malformed");
         goto fail_valid;
     }
-    if (has_seconds) {
-        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
-            goto fail_valid;
-        const char *fmt = seconds.format ? seconds.format : "B";
-        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] < chains) {
-            PyBuffer_Release(&seconds);
-            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per chain");
-            goto fail_valid;
-        }
-    }
-    FfiAny *matchers = PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(FfiAny));
-    int64_t *links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
-    if (matchers == NULL || links == NULL) {
+    if (has_seconds && get_seconds(seconds_obj, &seconds, chains) != 0) goto fail_valid;
+    FfiAny *matchers = matcher_args(sp, chains);
+    int64_t *links = matchers == NULL ? NULL : PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
+    if (links == NULL) {
+        if (matchers != NULL) PyErr_NoMemory();
         PyMem_Free(matchers);
-        PyMem_Free(links);
-        PyErr_NoMemory();
         goto fail_seconds;
-    }
-    for (Py_ssize_t c = 0; c < chains; c++) {
-        if (sp[4 * c + 3] != 0 && matcher_arg((unsigned long long)sp[4 * c + 3], &matchers[c]) != 0) {
-            PyMem_Free(matchers);
-            PyMem_Free(links);
-            goto fail_seconds;
-        }
     }
     Py_ssize_t checked = 0, rejected = 0, failed = -1;
     char *error = NULL;
@@ -1057,42 +1074,19 @@ static PyObject *walk_trees(PyObject *self, PyObject *args) {
     if (get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_spans;
     Py_ssize_t nrows = rows.shape[0], words = rows.shape[1], nlinks = tokens.shape[0];
     if (has_valid && get_flags(valid_obj, &valid, nrows) != 0) goto fail_stops;
-    Py_ssize_t longest = 1;
-    int bad = limit > (long long)words * 32 || nt.shape[0] != nlinks || ns.shape[0] != nlinks;
-    for (Py_ssize_t c = 0; c < trees && !bad; c++) {
-        int64_t r = sp[4 * c], t = sp[4 * c + 1], n = sp[4 * c + 2];
-        bad = r < 0 || t < 0 || n < 1 || r > nrows - n || t > nlinks - n;
-        if (!bad && n > longest) longest = n;
-    }
-    if (bad) {
+    Py_ssize_t longest = longest_span(sp, trees, nrows, nlinks);
+    if (longest < 0 || limit > (long long)words * 32 || nt.shape[0] != nlinks ||
+        ns.shape[0] != nlinks) {
         PyErr_SetString(PyExc_ValueError, "walk_trees: spans out of bounds or malformed");
         goto fail_valid;
     }
-    if (has_seconds) {
-        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
-            goto fail_valid;
-        const char *fmt = seconds.format ? seconds.format : "B";
-        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] < trees) {
-            PyBuffer_Release(&seconds);
-            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per tree");
-            goto fail_valid;
-        }
-    }
-    FfiAny *matchers = PyMem_Calloc((size_t)(trees > 0 ? trees : 1), sizeof(FfiAny));
-    void *scratch = PyMem_Malloc((size_t)longest * (sizeof(int32_t) + 1));
-    if (matchers == NULL || scratch == NULL) {
+    if (has_seconds && get_seconds(seconds_obj, &seconds, trees) != 0) goto fail_valid;
+    FfiAny *matchers = matcher_args(sp, trees);
+    void *scratch = matchers == NULL ? NULL : PyMem_Malloc((size_t)longest * (sizeof(int32_t) + 1));
+    if (scratch == NULL) {
+        if (matchers != NULL) PyErr_NoMemory();
         PyMem_Free(matchers);
-        PyMem_Free(scratch);
-        PyErr_NoMemory();
         goto fail_seconds;
-    }
-    for (Py_ssize_t c = 0; c < trees; c++) {
-        if (sp[4 * c + 3] != 0 && matcher_arg((unsigned long long)sp[4 * c + 3], &matchers[c]) != 0) {
-            PyMem_Free(matchers);
-            PyMem_Free(scratch);
-            goto fail_seconds;
-        }
     }
     Py_ssize_t checked = 0, rejected = 0, failed = -1;
     char *error = NULL;
@@ -1190,17 +1184,7 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
     if (get_buffer(ends_obj, &ends, 0, 'i', 8, 1, "ends") != 0) goto fail_rows;
     if (has_valid && get_flags(valid_obj, &valid, rows.shape[0]) != 0) goto fail_ends;
     if (walk && get_buffer(stops_obj, &stops, 0, 'i', 8, 1, "stop_ids") != 0) goto fail_valid;
-    if (has_seconds) {
-        if (PyObject_GetBuffer(seconds_obj, &seconds, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
-            goto fail_stops;
-        const char *fmt = seconds.format ? seconds.format : "B";
-        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-        if (*fmt != 'd' || seconds.itemsize != 8 || seconds.ndim != 1 || seconds.shape[0] != n) {
-            PyBuffer_Release(&seconds);
-            PyErr_SetString(PyExc_TypeError, "seconds must be a 1-D float64 array, one entry per request");
-            goto fail_stops;
-        }
-    }
+    if (has_seconds && get_seconds(seconds_obj, &seconds, n) != 0) goto fail_stops;
     Py_ssize_t nrows = rows.shape[0], words = rows.shape[1];
     if (walk && limit > (long long)words * 32) {
         PyErr_SetString(PyExc_ValueError, "pack_chains: limit past the rows' width");
@@ -1287,15 +1271,13 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
         goto done;
     }
     /* walk now, the GIL released, as walk_chains does */
-    matchers = PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(FfiAny));
+    if ((matchers = matcher_args(table, chains)) == NULL) goto done;
     links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
     times = has_seconds ? PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(double)) : NULL;
-    if (matchers == NULL || links == NULL || (has_seconds && times == NULL)) {
+    if (links == NULL || (has_seconds && times == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t c = 0; c < chains; c++)
-        if (matcher_arg((unsigned long long)table[4 * c + 3], &matchers[c]) != 0) goto done;
     Py_ssize_t checked = 0, rejected = 0, failed = -1;
     char *error = NULL;
     Py_BEGIN_ALLOW_THREADS

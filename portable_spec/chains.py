@@ -22,6 +22,7 @@ import numpy as np
 from portable_spec import native as compiled
 from portable_spec.builder import build_host_bitmask, jobs
 from portable_spec.builder.reasoning import Reasoning
+from portable_spec.builder.small import host_rows
 from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import XGRAMMAR, _kind_by_type
@@ -228,17 +229,8 @@ def _direct(
         rows = batch * stride if stride else batch + sum(map(len, drafts))
     except TypeError:
         return None
-    if out is None:
-        mask = np.empty((rows, words), dtype=np.int32)
-    elif (
-        type(out) is np.ndarray
-        and out.dtype == np.int32
-        and out.shape == (rows, words)
-        and out.flags.c_contiguous
-        and out.flags.writeable
-    ):
-        mask = out
-    else:
+    mask = host_rows(out, rows, words)
+    if mask is None:
         return None
     valid = np.empty(rows, dtype=bool) if return_valid else None
     limit = min(vocab_size, first.vocab_size)

@@ -25,7 +25,7 @@ from portable_spec.grammars import XGRAMMAR, _kind_by_type
 from portable_spec.pending import pending_builds
 from portable_spec.tree import GrammarTree
 
-__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "small_chains"]
+__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "small_chains"]
 
 # Up to this many chain requests take this path, each of at most jobs.INLINE_CHAIN_NODES nodes
 # (the chains short enough to stay on the calling thread).
@@ -45,6 +45,23 @@ def chain_links(nodes: int) -> tuple[np.ndarray, np.ndarray]:
         next_token[-1] = -1
         links = _links[nodes] = (next_token, np.full(nodes, -1, dtype=np.int64))
     return links
+
+
+def host_rows(out: Any, rows: int, words: int) -> np.ndarray | None:
+    """The int32 ``[rows, words]`` mask a small build writes: ``out`` itself when it is a
+    C-contiguous writable numpy array of that shape and dtype, a new array when ``out`` is
+    None, else ``None`` (the general path then checks ``out`` and says what is wrong)."""
+    if out is None:
+        return np.empty((rows, words), dtype=np.int32)
+    if (
+        type(out) is np.ndarray
+        and out.dtype == np.int32
+        and out.shape == (rows, words)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        return out
+    return None
 
 
 def small_chains(
@@ -86,17 +103,8 @@ def small_chains(
     if batch > 1 and len({id(g) for g in grammars}) != batch:
         return None
     rows = tree.rows
-    if out is None:
-        mask = np.empty((rows, words), dtype=np.int32)
-    elif (
-        type(out) is np.ndarray
-        and out.dtype == np.int32
-        and out.shape == (rows, words)
-        and out.flags.c_contiguous
-        and out.flags.writeable
-    ):
-        mask = out
-    else:
+    mask = host_rows(out, rows, words)
+    if mask is None:
         return None
     started = perf_counter()
     tokens = tree.host_chain_tokens()
