@@ -868,6 +868,27 @@ static Py_ssize_t longest_span(const int64_t *sp, Py_ssize_t chains, Py_ssize_t 
     return longest;
 }
 
+/* Seconds since *began into *out; *began becomes now. */
+static void lap(double *out, struct timespec *began) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    *out = (double)(now.tv_sec - began->tv_sec) + 1e-9 * (double)(now.tv_nsec - began->tv_nsec);
+    *began = now;
+}
+
+/* (checked, rejected, failed, message) of a walk; frees `error` (malloc'd, or NULL). */
+static PyObject *walk_result(Py_ssize_t checked, Py_ssize_t rejected, Py_ssize_t failed,
+                             char *error) {
+    PyObject *result;
+    if (failed < 0)
+        result = Py_BuildValue("nnnO", checked, rejected, (Py_ssize_t)-1, Py_None);
+    else
+        result = Py_BuildValue("nnns", checked, rejected, failed,
+                               error != NULL ? error : "xgrammar failed");
+    free(error);
+    return result;
+}
+
 /* A writable C-contiguous 1-D float64 buffer of at least n entries (per-walk times). */
 static int get_seconds(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0)
@@ -910,7 +931,7 @@ static Py_ssize_t walk_table(int32_t *mask, Py_ssize_t words, int64_t *tok, cons
         next_token[i] = i + 1;
         next_sibling[i] = -1;
     }
-    struct timespec began, ended;
+    struct timespec began;
     if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
     for (Py_ssize_t c = 0; c < chains; c++) {
         int32_t *base = mask + sp[4 * c] * words;
@@ -928,12 +949,7 @@ static Py_ssize_t walk_table(int32_t *mask, Py_ssize_t words, int64_t *tok, cons
         }
         repair_chain(base, chain, n, words, live, limit, stop, nstops, repeat,
                      flags != NULL ? flags + sp[4 * c] : NULL, checked, rejected);
-        if (times != NULL) {
-            clock_gettime(CLOCK_MONOTONIC, &ended);
-            times[c] = (double)(ended.tv_sec - began.tv_sec) +
-                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
-            began = ended;
-        }
+        if (times != NULL) lap(&times[c], &began);
     }
     return -1;
 }
@@ -989,11 +1005,7 @@ static PyObject *walk_chains(PyObject *self, PyObject *args) {
     PyMem_Free(sp);
     PyBuffer_Release(&tokens);
     PyBuffer_Release(&rows);
-    if (failed < 0) return Py_BuildValue("nnnO", checked, rejected, failed, Py_None);
-    PyObject *result = Py_BuildValue("nnns", checked, rejected, failed,
-                                     error != NULL ? error : "xgrammar failed");
-    free(error);
-    return result;
+    return walk_result(checked, rejected, failed, error);
 fail_seconds:
     if (has_seconds) PyBuffer_Release(&seconds);
 fail_valid:
@@ -1019,7 +1031,7 @@ static Py_ssize_t walk_tree_table(int32_t *mask, Py_ssize_t words, int64_t *nt, 
                                   long long limit, const int64_t *stop, Py_ssize_t nstops,
                                   uint8_t *flags, double *times, Py_ssize_t *checked,
                                   Py_ssize_t *rejected, char **error) {
-    struct timespec began, ended;
+    struct timespec began;
     if (times != NULL) clock_gettime(CLOCK_MONOTONIC, &began);
     for (Py_ssize_t c = 0; c < trees; c++) {
         int32_t *base = mask + sp[4 * c] * words;
@@ -1040,12 +1052,7 @@ static Py_ssize_t walk_tree_table(int32_t *mask, Py_ssize_t words, int64_t *nt, 
             if (!keep[v]) memset(base + v * words, 0xff, sizeof(int32_t) * (size_t)words);
         *checked += c_checked;
         *rejected += c_rejected;
-        if (times != NULL) {
-            clock_gettime(CLOCK_MONOTONIC, &ended);
-            times[c] = (double)(ended.tv_sec - began.tv_sec) +
-                       1e-9 * (double)(ended.tv_nsec - began.tv_nsec);
-            began = ended;
-        }
+        if (times != NULL) lap(&times[c], &began);
     }
     return -1;
 }
@@ -1101,13 +1108,7 @@ static PyObject *walk_trees(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_Free(matchers);
     PyMem_Free(scratch);
-    if (failed < 0) {
-        result = Py_BuildValue("nnnO", checked, rejected, failed, Py_None);
-    } else {
-        result = Py_BuildValue("nnns", checked, rejected, failed,
-                               error != NULL ? error : "xgrammar failed");
-        free(error);
-    }
+    result = walk_result(checked, rejected, failed, error);
 fail_seconds:
     if (has_seconds) PyBuffer_Release(&seconds);
 fail_valid:
@@ -1289,13 +1290,7 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
         double *out = (double *)seconds.buf;
         for (Py_ssize_t c = 0; c < chains; c++) out[owners[c]] = times[c];
     }
-    if (failed < 0) {
-        result = Py_BuildValue("nnnO", checked, rejected, (Py_ssize_t)-1, Py_None);
-    } else {
-        result = Py_BuildValue("nnns", checked, rejected, (Py_ssize_t)owners[failed],
-                               error != NULL ? error : "xgrammar failed");
-        free(error);
-    }
+    result = walk_result(checked, rejected, failed < 0 ? -1 : (Py_ssize_t)owners[failed], error);
 done:
     PyMem_Free(times);
     PyMem_Free(links);
