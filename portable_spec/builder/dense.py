@@ -223,30 +223,16 @@ def _chain_table(build: Build, words: int) -> np.ndarray | None:
     to split them over threads). Chains and trees alike: a tree's links are read from the
     resolved arrays, its row ``b * nodes``."""
     tree = build.tree
-    helper = native.native
-    if (
-        helper is None
-        or helper is not native.bound_helper()
-        or tree.nodes >= jobs.SPLIT_MIN_NODES
-        or not build.constrained
-    ):
+    if tree.nodes >= jobs.SPLIT_MIN_NODES or not build.constrained:
+        return None
+    infos = build.infos  # None exactly for the unconstrained requests
+    if jobs.walkable(infos, words) is None:
         return None
     nodes = tree.nodes
-    stops = None
-    table = []
-    for b, kind in enumerate(build.kinds):
-        start, n = build.spans[b]
-        handle = 0
-        if kind != NONE:
-            info = build.infos[b]
-            if kind != XGRAMMAR or info is None or info.words != words:
-                return None
-            if stops is None:
-                stops = info.stop_set
-            handle = info.handle
-            if not handle or info.stop_set != stops:
-                return None
-        table.append((start, b * nodes, n, handle))
+    table = [
+        (start, b * nodes, n, 0 if info is None else info.handle)
+        for b, ((start, n), info) in enumerate(zip(build.spans, infos, strict=True))
+    ]
     return np.array(table, dtype=np.int64)
 
 

@@ -499,6 +499,27 @@ def _check_depth(b: int, next_token: list[int], next_sibling: list[int], info: M
 
 
 # -- chains the compiled helper walks itself ---------------------------------------------------
+def walkable(infos: Sequence[MatcherInfo | None], words: int) -> MatcherInfo | None:
+    """The first of ``infos`` when the compiled helper can walk every matcher they describe
+    in one call (:func:`walk_chain_table`): each an xgrammar matcher's facts with a handle,
+    ``words`` words per row, the same stop tokens and vocabulary (``None`` entries: requests
+    without a matcher, skipped); ``None`` otherwise, or when every entry is ``None``."""
+    helper = native.native
+    if helper is None or helper is not native.bound_helper():
+        return None
+    first = None
+    for info in infos:
+        if info is None:
+            continue
+        if not info.handle or info.words != words:
+            return None
+        if first is None:
+            first = info
+        elif info.stop_set != first.stop_set or info.vocab_size != first.vocab_size:
+            return None
+    return first
+
+
 def walk_chain_table(
     mask: np.ndarray,
     tokens: np.ndarray,

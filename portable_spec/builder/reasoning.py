@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec import native
 from portable_spec.builder import jobs
 from portable_spec.engines.base import IdentityCache
 from portable_spec.engines.xgrammar import xgrammar_info
@@ -289,24 +288,14 @@ def _walk_directly(
     repaired by the compiled helper's chain walker, valid flags written, when every matcher
     is an xgrammar matcher it can call, of the mask's width, with the same stop tokens
     (already probed by the front). False (nothing moved) otherwise: the caller builds them."""
-    helper = native.native
-    if helper is None or helper is not native.bound_helper():
-        return False
     infos = [xgrammar_info(grammars[b]) for b in owners]
-    first = infos[0]
+    first = None if any(i is None for i in infos) else jobs.walkable(infos, words)
     if first is None:
         return False
     table = []
     position = 0
     for info, start, length in zip(infos, starts, lengths, strict=True):
-        if (
-            info is None
-            or not info.handle
-            or info.words != words
-            or info.stop_set != first.stop_set
-        ):
-            return False
-        table.append((start, position, length, info.handle))
+        table.append((start, position, length, info.handle))  # type: ignore[union-attr]
         position += length
     began = perf_counter()
     try:

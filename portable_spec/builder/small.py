@@ -131,9 +131,7 @@ def small_chains(
         direct = first.handle and native is compiled.bound_helper()
         table = [(row, row, n, first.handle)]
     else:
-        direct = native is compiled.bound_helper() and all(
-            i.handle and i.stop_set == first.stop_set for i in infos
-        )
+        direct = jobs.walkable(infos, words) is not None
         table = [(row, row, n, i.handle) for (row, n), i in zip(spans, infos, strict=False)]
     if direct:  # every chain walked and repaired by one call of the compiled helper
         seconds = np.empty(batch, dtype=np.float64) if batch > 1 else None
