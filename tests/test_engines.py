@@ -119,12 +119,15 @@ def test_llguidance_complete_grammar_waits_for_the_end_token(smollm2, tok):
     assert matcher.try_consume_tokens(text[:-1]) == len(text) - 1
     dt = np.array([[0, text[-1], smollm2.eos, smollm2.eos]])
     tree = ps.GrammarTree.from_linear_chain(dt)
+    before = fingerprint(matcher, smollm2.words, PROBE)
     reset_grammar_stats()
     mask = ps.build_host_bitmask([matcher], tree, smollm2.size)
     assert _allowed(mask[1]) == {smollm2.eos}  # complete: the end token only
     assert _live(mask, 4).tolist() == [[True, True, False, False]]
     stats = ps.grammar_stats()
     assert (stats["checked_nodes"], stats["rejected_nodes"]) == (2, 0)
+    # the end token taken without a trace is not rolled back: the matcher is where it was
+    assert fingerprint(matcher, smollm2.words, PROBE) == before
     # consumed end token (EndOfSentence): the matcher is terminated, every row all-allowed
     ended = ge.llguidance_matcher("builtin_json")
     number = tok.encode("12")

@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo, NodeStates
-from portable_spec.engines.walk import ENDED_FREE, ENDED_HELD, LIVE, REFUSED, walk_tree
+from portable_spec.engines.walk import (
+    ENDED_FREE,
+    ENDED_HELD,
+    LIVE,
+    REFUSED,
+    walk_chain,
+    walk_tree,
+)
 
 __all__ = [
     "LLGuidanceStates",
@@ -177,43 +184,9 @@ def walk_llguidance_chain(
     vocab_limit: int,
 ) -> tuple[list[bool], int, int]:
     """:func:`walk_llguidance` for one chain (node ``i``'s only child is ``i + 1``; the links
-    are not read): the same rows, counts and guarantees in a plain loop, as an engine's own
-    per-token loop runs (fill, test the next draft against the row, take it), without the
-    tree walk's stack."""
-    nodes = len(draft)
-    filled = [False] * nodes
-    if ended(matcher):
-        return filled, 0, 0
-    compute = matcher.unsafe_compute_mask_ptr
-    base, row_bytes, nbytes = rows.ctypes.data, rows.strides[0], rows.shape[1] * 4
-    compute(base, nbytes)
-    filled[0] = True
-    stopped = matcher.is_stopped()
-    checked = rejected = held = 0
-    try:
-        for node in range(1, nodes):
-            checked += 1
-            token = draft[node]
-            if not 0 <= token < vocab_limit or not (
-                (int(rows[node - 1, token >> 5]) >> (token & 31)) & 1
-            ):
-                rejected += 1
-                break
-            outcome = take_token(matcher, token, stopped)
-            if outcome == REFUSED:  # the matcher disagrees with its own mask
-                rejected += 1
-                break
-            if outcome != ENDED_FREE:
-                held += 1
-            if outcome != LIVE:
-                break  # terminated: its row stays all-allowed
-            compute(base + node * row_bytes, nbytes)
-            filled[node] = True
-            stopped = matcher.is_stopped()
-    finally:
-        if held:
-            matcher.rollback(held)
-    return filled, checked, rejected
+    are not read), by :func:`portable_spec.engines.walk.walk_chain`: the same rows, counts
+    and guarantees in a plain per-token loop, as an engine's own loop runs."""
+    return walk_chain(_LLSteps(matcher, rows), draft, rows, vocab_limit)
 
 
 # -- chains: llguidance's parallel executor ----------------------------------------------------

@@ -21,7 +21,16 @@ import numpy as np
 
 from portable_spec.engines.base import NodeStates
 
-__all__ = ["ENDED_FREE", "ENDED_HELD", "LIVE", "REFUSED", "ReplayStates", "Steps", "walk_tree"]
+__all__ = [
+    "ENDED_FREE",
+    "ENDED_HELD",
+    "LIVE",
+    "REFUSED",
+    "ReplayStates",
+    "Steps",
+    "walk_chain",
+    "walk_tree",
+]
 
 #: outcomes of :meth:`Steps.advance`
 REFUSED = 0  # the matcher does not take the token (nothing held)
@@ -118,6 +127,44 @@ def walk_tree(
             kids = children(node)
             checked += len(kids)
             stack.extend((c, node, depth + 1) for c in reversed(kids))
+    finally:
+        if held:
+            steps.rollback(held)
+    return filled, checked, rejected
+
+
+def walk_chain(
+    steps: Steps, draft: list[int], rows: np.ndarray, vocab_limit: int
+) -> tuple[list[bool], int, int]:
+    """:func:`walk_tree` for one chain (node ``i``'s only child is ``i + 1``): the same rows,
+    counts and guarantees in a plain loop, without the tree walk's stack."""
+    nodes = len(draft)
+    filled = [False] * nodes
+    if not steps.start():
+        return filled, 0, 0
+    steps.fill(0)
+    filled[0] = True
+    checked = rejected = held = 0
+    advance, fill = steps.advance, steps.fill
+    try:
+        for node in range(1, nodes):
+            checked += 1
+            token = draft[node]
+            if not 0 <= token < vocab_limit or not (
+                (int(rows[node - 1, token >> 5]) >> (token & 31)) & 1
+            ):
+                rejected += 1
+                break
+            outcome = advance(token, node - 1, node)
+            if outcome == REFUSED:  # the matcher disagrees with its own mask
+                rejected += 1
+                break
+            if outcome != ENDED_FREE:
+                held += 1
+            if outcome != LIVE:
+                break  # terminated: its row stays all-allowed
+            fill(node)
+            filled[node] = True
     finally:
         if held:
             steps.rollback(held)
