@@ -104,6 +104,29 @@
  *       (checked, rejected, failed, message) like walk_chains, `failed` the request's index,
  *       and `seconds` (float64 [requests], when given) receives each walked request's time.
  *
+ *   chain_masks(env, grammars, drafts, rows_per_request, vocab_size, ends, active, out,
+ *               want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra)
+ *                                                    or None
+ *       build_chain_bitmask's common call with no Python in between: `env` is (facts, empty,
+ *       int32, bool, ndarray, tally): `facts` maps id(matcher) to (weak reference, handle,
+ *       words, vocab_size, stop_ids) for every xgrammar matcher probed with a handle
+ *       (stop_ids one array per distinct stop set, compared by identity), `empty` numpy's
+ *       allocator with its dtypes int32 and bool, `ndarray` numpy's array type, `tally` a
+ *       float64 [8] of build counters this call adds to (builds, requests, rows, summed walk
+ *       seconds, wall seconds, checked nodes, refused nodes, slowest walk). Every grammar None
+ *       or a matcher of `facts` (one width for vocab_size, one vocabulary and one stop set,
+ *       none listed twice, at least one), `drafts` lists or tuples of plain ints,
+ *       rows_per_request None or an int > every list's length, `out` None (allocated) or a
+ *       native int32 C-contiguous writable ndarray of exactly the rows: the rows are packed,
+ *       walked and repaired as pack_chains does (`ends`, `active` its reasoning arguments).
+ *       `valid` is a new bool [batch, rows_per_request] or [rows] array (want_valid) or None.
+ *       Returns `failed` -1 and `extra` the list of (request, seconds) walks slower than
+ *       `threshold` (None when none); `failed` >= 0: that request's matcher was refused by
+ *       xgrammar (`message` its words; nothing counted). With max_rows > 0, at least that
+ *       many rows and two live requests, the rows are packed but not walked: `failed` -2,
+ *       `extra` (pack_chains' packed tuple, limit, stop_ids). None, nothing written and no
+ *       matcher called, when anything above does not hold.
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -268,7 +291,7 @@ static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t word
     return tail;
 }
 
-/* A writable C-contiguous 1-D buffer of n one-byte flags (numpy bool or uint8). */
+/* A writable C-contiguous buffer of n one-byte flags (numpy bool or uint8, any shape). */
 static int get_flags(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
         PyErr_SetString(PyExc_TypeError, "valid must be a C-contiguous writable buffer");
@@ -276,7 +299,7 @@ static int get_flags(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
     }
     const char *fmt = view->format ? view->format : "B";
     if (*fmt == '<' || *fmt == '=' || *fmt == '@' || *fmt == '|') fmt++;
-    if (view->itemsize != 1 || view->ndim != 1 || view->shape[0] != n ||
+    if (view->itemsize != 1 || view->ndim < 1 || view->len != n ||
         !(*fmt == '?' || *fmt == 'B' || *fmt == 'b')) {
         PyBuffer_Release(view);
         PyErr_SetString(PyExc_TypeError, "valid must be a 1-D bool array with one entry per node");
@@ -1154,16 +1177,12 @@ static void fill_rows(int32_t *mask, Py_ssize_t words, Py_ssize_t from, Py_ssize
     if (flags != NULL) memset(flags + from, flag, (size_t)(to - from));
 }
 
-static PyObject *pack_chains(PyObject *self, PyObject *args) {
-    PyObject *drafts, *handles, *ends_obj, *active, *rows_obj, *valid_obj;
-    PyObject *stops_obj = Py_None, *seconds_obj = Py_None;
-    Py_ssize_t stride;
-    long long vocab, limit = -1;
-    int repeat = 0;
-    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOOi", &drafts, &handles, &stride, &vocab, &ends_obj,
-                          &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj,
-                          &repeat))
-        return NULL;
+/* pack_chains' work (its arguments parsed); `times_out` (per request, or NULL), when the
+   chains are walked, receives each walked request's seconds like its `seconds` buffer. */
+static PyObject *pack_walk(PyObject *drafts, PyObject *handles, Py_ssize_t stride, long long vocab,
+                           PyObject *ends_obj, PyObject *active, PyObject *rows_obj,
+                           PyObject *valid_obj, long long limit, PyObject *stops_obj,
+                           PyObject *seconds_obj, double *times_out, int repeat) {
     int walk = limit >= 0;
     if (walk && ffi_call == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
@@ -1177,6 +1196,7 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     Py_buffer rows, ends, valid, stops, seconds;
     int has_valid = valid_obj != Py_None, has_seconds = walk && seconds_obj != Py_None;
+    int has_times = walk && (has_seconds || times_out != NULL);
     PyObject *result = NULL;
     int64_t *tok = NULL, *table = NULL, *owners = NULL, *links = NULL;
     FfiAny *matchers = NULL;
@@ -1274,8 +1294,8 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
     /* walk now, the GIL released, as walk_chains does */
     if ((matchers = matcher_args(table, chains)) == NULL) goto done;
     links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
-    times = has_seconds ? PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(double)) : NULL;
-    if (links == NULL || (has_seconds && times == NULL)) {
+    times = has_times ? PyMem_Calloc((size_t)(chains > 0 ? chains : 1), sizeof(double)) : NULL;
+    if (links == NULL || (has_times && times == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1290,6 +1310,8 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
         double *out = (double *)seconds.buf;
         for (Py_ssize_t c = 0; c < chains; c++) out[owners[c]] = times[c];
     }
+    if (times_out != NULL)
+        for (Py_ssize_t c = 0; c < chains; c++) times_out[owners[c]] = times[c];
     result = walk_result(checked, rejected, failed < 0 ? -1 : (Py_ssize_t)owners[failed], error);
 done:
     PyMem_Free(times);
@@ -1316,6 +1338,261 @@ decline:
     PyBuffer_Release(&ends);
     PyBuffer_Release(&rows);
     Py_RETURN_NONE;
+}
+
+static PyObject *pack_chains(PyObject *self, PyObject *args) {
+    PyObject *drafts, *handles, *ends_obj, *active, *rows_obj, *valid_obj;
+    PyObject *stops_obj = Py_None, *seconds_obj = Py_None;
+    Py_ssize_t stride;
+    long long vocab, limit = -1;
+    int repeat = 0;
+    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOOi", &drafts, &handles, &stride, &vocab, &ends_obj,
+                          &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj,
+                          &repeat))
+        return NULL;
+    return pack_walk(drafts, handles, stride, vocab, ends_obj, active, rows_obj, valid_obj, limit,
+                     stops_obj, seconds_obj, NULL, repeat);
+}
+
+/* The facts entry of matcher `g` (a borrowed 5-tuple: weak reference, handle, words,
+   vocab_size, stop_ids) when `facts` (id -> entry) holds one for this very object, else
+   NULL with no error set. */
+static PyObject *matcher_facts(PyObject *facts, PyObject *g) {
+    PyObject *key = PyLong_FromVoidPtr(g);
+    if (key == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(facts, key);
+    Py_DECREF(key);
+    if (entry == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) return NULL;
+    PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+    if (!PyWeakref_CheckRef(ref)) return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *target = NULL;
+    if (PyWeakref_GetRef(ref, &target) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_XDECREF(target); /* compared by identity only; `g` is held by the caller's list */
+#else
+    PyObject *target = PyWeakref_GetObject(ref);
+#endif
+    if (target != g) return NULL;
+    for (int i = 1; i < 4; i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(entry, i))) return NULL;
+    return entry;
+}
+
+static int compare_addresses(const void *a, const void *b) {
+    uintptr_t x = *(const uintptr_t *)a, y = *(const uintptr_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether `out` is an `ndarray` (exactly that type) the rows can be written into: native
+   int32, C-contiguous, writable, [rows, words]. No error set either way. */
+static int fits_rows(PyObject *out, PyObject *ndarray, Py_ssize_t rows, Py_ssize_t words) {
+    if ((PyObject *)Py_TYPE(out) != ndarray) return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(out, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const uint16_t probe = 1;
+    const char *fmt = view.format ? view.format : "B";
+    if (*fmt == '=' || *fmt == '@' || (*fmt == '<' && *(const uint8_t *)&probe == 1)) fmt++;
+    int ok = (fmt[0] == 'i' || fmt[0] == 'l') && fmt[1] == 0 && view.itemsize == 4 &&
+             view.ndim == 2 && view.shape[0] == rows && view.shape[1] == words;
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+enum { TALLY_BUILDS, TALLY_REQUESTS, TALLY_ROWS, TALLY_BUILD_SECONDS, TALLY_WALK_SECONDS,
+       TALLY_CHECKED, TALLY_REJECTED, TALLY_SLOWEST, TALLY_SIZE };
+
+static PyObject *chain_masks(PyObject *self, PyObject *args) {
+    PyObject *env, *grammars, *drafts, *stride_obj, *vocab_obj, *ends_obj, *active, *out;
+    int want_valid;
+    Py_ssize_t max_rows;
+    double threshold;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOpnd", &env, &grammars, &drafts, &stride_obj, &vocab_obj,
+                          &ends_obj, &active, &out, &want_valid, &max_rows, &threshold))
+        return NULL;
+    if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 6 ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 0))) {
+        PyErr_SetString(PyExc_TypeError, "chain_masks: env must be (facts, empty, int32, bool, "
+                                         "ndarray, tally)");
+        return NULL;
+    }
+    PyObject *facts = PyTuple_GET_ITEM(env, 0), *empty = PyTuple_GET_ITEM(env, 1);
+    PyObject *int32 = PyTuple_GET_ITEM(env, 2), *boolean = PyTuple_GET_ITEM(env, 3);
+    PyObject *ndarray = PyTuple_GET_ITEM(env, 4), *tally_obj = PyTuple_GET_ITEM(env, 5);
+    Py_ssize_t n, nd, stride = 0;
+    PyObject *const *gs = draft_items(grammars, &n);
+    PyObject *const *ds = draft_items(drafts, &nd);
+    if (n <= 0 || nd != n) Py_RETURN_NONE;
+    if (stride_obj != Py_None) {
+        if (!PyLong_CheckExact(stride_obj)) Py_RETURN_NONE;
+        stride = PyLong_AsSsize_t(stride_obj);
+        if (stride == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (stride < 1 || stride > (1 << 24)) Py_RETURN_NONE;
+    }
+    if (!PyLong_CheckExact(vocab_obj)) Py_RETURN_NONE;
+    int overflow = 0;
+    long long vocab = PyLong_AsLongLongAndOverflow(vocab_obj, &overflow);
+    if (overflow || vocab <= 0 || vocab > (1LL << 40)) Py_RETURN_NONE;
+    Py_ssize_t words = (Py_ssize_t)((vocab + 31) >> 5);
+
+    /* each matcher's facts, as learnt when it was probed; anything unknown declines */
+    PyObject *handles = PyList_New(n), *mask = NULL, *valid = NULL, *result = NULL;
+    uintptr_t *seen = PyMem_Malloc(sizeof(uintptr_t) * (size_t)n);
+    double *times = PyMem_Calloc((size_t)n, sizeof(double));
+    if (handles == NULL || seen == NULL || times == NULL) {
+        if (handles != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *stops = NULL;
+    long long known_vocab = 0;
+    Py_ssize_t live = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *g = gs[b];
+        if (g == Py_None) {
+            PyList_SET_ITEM(handles, b, PyLong_FromLong(0));
+            continue;
+        }
+        PyObject *entry = matcher_facts(facts, g);
+        if (entry == NULL) goto decline;
+        Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            goto decline;
+        }
+        if (w != words) goto decline;
+        if (stops == NULL) {
+            stops = PyTuple_GET_ITEM(entry, 4);
+            known_vocab = v;
+        } else if (PyTuple_GET_ITEM(entry, 4) != stops || v != known_vocab) {
+            goto decline; /* matchers of other tokenizers: the general build checks them */
+        }
+        Py_INCREF(PyTuple_GET_ITEM(entry, 1));
+        PyList_SET_ITEM(handles, b, PyTuple_GET_ITEM(entry, 1));
+        seen[live++] = (uintptr_t)g;
+    }
+    if (live == 0) goto decline;
+    if (live > 1) { /* a matcher listed twice would be walked twice: the general build refuses */
+        qsort(seen, (size_t)live, sizeof(uintptr_t), compare_addresses);
+        for (Py_ssize_t i = 1; i < live; i++)
+            if (seen[i] == seen[i - 1]) goto decline;
+    }
+    Py_ssize_t rows = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        Py_ssize_t k;
+        draft_items(ds[b], &k);
+        if (k < 0 || (stride && k >= stride)) goto decline;
+        rows += stride ? stride : k + 1;
+    }
+    int parts = max_rows > 0 && rows >= max_rows && live > 1;
+    if (out == Py_None) {
+        mask = PyObject_CallFunction(empty, "(nn)O", rows, words, int32);
+        if (mask == NULL) goto done;
+    } else if (fits_rows(out, ndarray, rows, words)) {
+        mask = Py_NewRef(out);
+    } else {
+        goto decline;
+    }
+    if (want_valid) {
+        valid = stride ? PyObject_CallFunction(empty, "(nn)O", n, stride, boolean)
+                       : PyObject_CallFunction(empty, "(n)O", rows, boolean);
+        if (valid == NULL) goto done;
+    } else {
+        valid = Py_NewRef(Py_None);
+    }
+    long long limit = vocab < known_vocab ? vocab : known_vocab;
+    if (parts) { /* packed here, walked in parts on the caller's pool */
+        PyObject *packed = pack_walk(drafts, handles, stride, vocab, ends_obj, active, mask, valid,
+                                     -1, Py_None, Py_None, NULL, 0);
+        if (packed == NULL || packed == Py_None) {
+            result = packed;
+            goto done;
+        }
+        result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-2, Py_None,
+                               Py_BuildValue("NLO", packed, limit, stops));
+        goto done;
+    }
+    struct timespec began;
+    clock_gettime(CLOCK_MONOTONIC, &began);
+    PyObject *walked = pack_walk(drafts, handles, stride, vocab, ends_obj, active, mask, valid,
+                                 limit, stops, Py_None, times, 0);
+    if (walked == NULL || walked == Py_None) {
+        result = walked;
+        goto done;
+    }
+    double seconds;
+    lap(&seconds, &began);
+    Py_ssize_t checked = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 0));
+    Py_ssize_t rejected = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 1));
+    Py_ssize_t failed = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 2));
+    PyObject *message = PyTuple_GET_ITEM(walked, 3);
+    PyObject *slow = Py_None;
+    if (failed < 0) { /* the build's accounting (stats.grammar_stats merges the tally) */
+        Py_buffer tally;
+        if (PyObject_GetBuffer(tally_obj, &tally, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0 ||
+            tally.len < (Py_ssize_t)(sizeof(double) * TALLY_SIZE)) {
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&tally);
+                PyErr_SetString(PyExc_TypeError, "chain_masks: the tally must be float64 [8]");
+            }
+            Py_DECREF(walked);
+            goto done;
+        }
+        double *t = (double *)tally.buf, total = 0.0, slowest = 0.0;
+        for (Py_ssize_t b = 0; b < n; b++) {
+            if (gs[b] == Py_None) continue;
+            total += times[b];
+            if (times[b] > slowest) slowest = times[b];
+            if (threshold > 0.0 && times[b] > threshold) {
+                if (slow == Py_None && (slow = PyList_New(0)) == NULL) break;
+                PyObject *item = Py_BuildValue("nd", b, times[b]);
+                if (item == NULL || PyList_Append(slow, item) != 0) {
+                    Py_XDECREF(item);
+                    break;
+                }
+                Py_DECREF(item);
+            }
+        }
+        t[TALLY_BUILDS] += 1.0;
+        t[TALLY_REQUESTS] += (double)live;
+        t[TALLY_ROWS] += (double)rows;
+        t[TALLY_BUILD_SECONDS] += total;
+        t[TALLY_WALK_SECONDS] += seconds;
+        t[TALLY_CHECKED] += (double)checked;
+        t[TALLY_REJECTED] += (double)rejected;
+        if (slowest > t[TALLY_SLOWEST]) t[TALLY_SLOWEST] = slowest;
+        PyBuffer_Release(&tally);
+        if (PyErr_Occurred()) {
+            Py_XDECREF(slow == Py_None ? NULL : slow);
+            Py_DECREF(walked);
+            goto done;
+        }
+    }
+    result = Py_BuildValue("OOnOO", mask, valid, failed, message, slow);
+    if (slow != Py_None) Py_DECREF(slow);
+    Py_DECREF(walked);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(valid);
+    Py_XDECREF(mask);
+    Py_XDECREF(handles);
+    PyMem_Free(times);
+    PyMem_Free(seen);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -1358,6 +1635,10 @@ static PyMethodDef methods[] = {
      "message) with `limit`, or None: per-request draft lists as walk_chains' table, the rows "
      "no grammar walks written; with `limit`, walked and repaired in the same call (GIL "
      "released)."},
+    {"chain_masks", chain_masks, METH_VARARGS,
+     "chain_masks(env, grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
+     "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None: "
+     "build_chain_bitmask's common call (matchers' facts from env's table) in one call."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,20 +20,20 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec import stats
 from portable_spec.builder import build_host_bitmask, jobs
 from portable_spec.builder.reasoning import Reasoning
-from portable_spec.builder.small import host_rows
-from portable_spec.engines.xgrammar import xgrammar_info
+from portable_spec.engines.xgrammar import chain_facts
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import XGRAMMAR, _kind_by_type
 from portable_spec.pending import pending_builds
-from portable_spec.pool import get_num_threads
-from portable_spec.stats import record_build
+from portable_spec.stats import note_slow, record_build, tally
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_chain_bitmask", "chain_tree"]
 
 _NO_ENDS = np.zeros(0, dtype=np.int64)
+# what the compiled call reads besides its arguments (see native's chain_masks)
+_ENV = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, tally)
 _end_arrays: dict[frozenset[int], np.ndarray] = {}
 
 
@@ -172,117 +172,95 @@ def _direct(
     """:func:`build_chain_bitmask` through the compiled helper when every grammar is an
     xgrammar matcher it can call (already probed at the model's width, sharing stop tokens),
     the lists plain Python ints and ``out`` valid; ``None`` otherwise (nothing written, no
-    matcher moved)."""
+    matcher moved).
+
+    One compiled call (``chain_masks``) checks the batch, reads each matcher's facts from
+    :data:`~portable_spec.engines.xgrammar.chain_facts`, allocates the outputs, packs, walks,
+    repairs and counts: the Python around it is a few lines, which is what a call costs with
+    cold caches. Batches of :data:`jobs.CHAIN_TABLE_PARALLEL_ROWS` rows or more come back
+    packed and are walked in parts on the pool."""
     native = compiled.native
-    if native is None or native is not compiled.bound_helper():
+    if native is None or native is not compiled.bound_helper() or pending_builds():
         return None
-    kind = type(grammars)
-    if (kind is not list and kind is not tuple) or type(vocab_size) is not int or vocab_size <= 0:
-        return None
-    batch = len(grammars)
-    if type(drafts) is np.ndarray and drafts.ndim == 2 and drafts.dtype.kind in "iu":
-        drafts = drafts.tolist()
-    kind = type(drafts)
-    if (kind is not list and kind is not tuple) or len(drafts) != batch or batch == 0:
-        return None
-    if type(drafts[0]) is np.ndarray:  # per-request arrays: read as lists (one C call each)
-        drafts = [
-            d.tolist() if type(d) is np.ndarray and d.ndim == 1 and d.dtype.kind in "iu" else d
-            for d in drafts
-        ]
-    if pending_builds():
-        return None
-    if rows_per_request is None:
-        stride = 0
-    elif type(rows_per_request) is int and rows_per_request >= 1:
-        stride = rows_per_request
-    else:
-        return None
-    words = (vocab_size + 31) >> 5
-    handles = []
-    first = None
-    live = 0
-    for g in grammars:
-        if g is None:
-            handles.append(0)
-            continue
-        if _kind_by_type.get(type(g)) != XGRAMMAR:
-            return None
-        info = xgrammar_info(g)
-        if info is None or not info.handle or info.words != words:
-            return None
-        if first is None:
-            first = info
-        elif info.stop_set != first.stop_set or info.vocab_size != first.vocab_size:
-            return None
-        handles.append(info.handle)
-        live += 1
-    if first is None or (live > 1 and len({id(g) for g in grammars if g is not None}) != live):
-        return None
-    active, ends = None, _NO_ENDS
+    ends, active = _NO_ENDS, None
     if reasoning is not None:
-        rule = _plain_reasoning(reasoning, batch, vocab_size)
+        if type(grammars) is not list and type(grammars) is not tuple:
+            return None
+        rule = _plain_reasoning(reasoning, len(grammars), vocab_size)
         if rule is None:
             return None
         active, ends = rule
-    try:
-        rows = batch * stride if stride else batch + sum(map(len, drafts))
-    except TypeError:
-        return None
-    mask = host_rows(out, rows, words)
-    if mask is None:
-        return None
-    valid = np.empty(rows, dtype=bool) if return_valid else None
-    limit = min(vocab_size, first.vocab_size)
-    began = perf_counter()
-    if rows < jobs.CHAIN_TABLE_PARALLEL_ROWS or live == 1 or get_num_threads() == 1:
-        # the common small call: read, walked and repaired in one compiled call (per-request
-        # times only for a batch: each numpy call costs microseconds with cold caches)
-        seconds = np.zeros(batch, dtype=np.float64) if batch > 1 else None
-        done = native.pack_chains(
-            drafts, handles, stride, vocab_size, ends, active, mask, valid, limit,
-            first.stop_ids, seconds,
-        )  # fmt: skip
+    threshold = stats._threshold or -1.0  # the slow-walk warning's (seconds; -1: none)
+    parts = jobs.CHAIN_TABLE_PARALLEL_ROWS  # the pool splits them only with threads to spare
+    args = (rows_per_request, vocab_size, ends, active, out, return_valid, parts, threshold)
+    done = native.chain_masks(_ENV, grammars, drafts, *args)
+    if done is None:
+        lists = _as_lists(drafts)
+        if lists is None:
+            return None
+        done = native.chain_masks(_ENV, grammars, lists, *args)
         if done is None:
             return None
-        checked, rejected, failed, message = done
-        if failed >= 0:
-            raise MatcherError(failed, RuntimeError(message))
-        if seconds is None:
-            walks = [(0, perf_counter() - began)]
-        else:
-            walks = [(b, t) for b, t in enumerate(seconds.tolist()) if handles[b]]
-    else:  # read in one call, then walked in parts on the pool
-        packed = native.pack_chains(drafts, handles, stride, vocab_size, ends, active, mask, valid)
-        if packed is None:
-            return None
-        tokens, table, owners, walked = packed
-        walks, checked, rejected = [], 0, 0
-        if table:
-            who = np.frombuffer(owners, dtype=np.int64).tolist()
-            try:
-                checked, rejected, walks = jobs.walk_chain_table(
-                    mask,
-                    np.frombuffer(tokens, dtype=np.int64),
-                    np.frombuffer(table, dtype=np.int64).reshape(-1, 4),
-                    limit,
-                    first.stop_ids,
-                    valid,
-                    walked,
-                )
-            except MatcherError as exc:
-                raise MatcherError(who[exc.request_index], exc.error) from exc.error
-            walks = [(who[c], t) for c, t in walks]
+    mask, valid, failed, message, extra = done
+    if failed >= 0:
+        raise MatcherError(failed, RuntimeError(message))
+    if failed == -2:  # packed: walked in parts on the pool
+        _walk_parts(mask, valid, *extra)
+    elif extra:
+        note_slow(extra)
+    return (mask, valid) if return_valid else mask
+
+
+def _as_lists(drafts: Any) -> list[Any] | None:
+    """Integer numpy drafts (a ``[batch, K]`` array, or per-request 1-D arrays) as the lists
+    the compiled call reads, or None when there is nothing to convert."""
+    if type(drafts) is np.ndarray:
+        if drafts.ndim == 2 and drafts.dtype.kind in "iu":
+            return drafts.tolist()  # type: ignore[no-any-return]
+        return None
+    if type(drafts) not in (list, tuple) or not any(type(d) is np.ndarray for d in drafts):
+        return None
+    return [
+        d.tolist() if type(d) is np.ndarray and d.ndim == 1 and d.dtype.kind in "iu" else d
+        for d in drafts
+    ]
+
+
+def _walk_parts(
+    mask: np.ndarray,
+    valid: np.ndarray | None,
+    packed: tuple[bytes, bytes, bytes, int],
+    limit: int,
+    stop_ids: np.ndarray,
+) -> None:
+    """Walk the chains ``chain_masks`` packed (too many rows for one thread) in parts on the
+    pool, and account the build."""
+    began = perf_counter()
+    tokens, table, owners, walked = packed
+    walks: list[tuple[int, float]] = []
+    checked = rejected = 0
+    if table:
+        who = np.frombuffer(owners, dtype=np.int64).tolist()
+        try:
+            checked, rejected, walks = jobs.walk_chain_table(
+                mask,
+                np.frombuffer(tokens, dtype=np.int64),
+                np.frombuffer(table, dtype=np.int64).reshape(-1, 4),
+                limit,
+                stop_ids,
+                None if valid is None else valid.reshape(-1),
+                walked,
+            )
+        except MatcherError as exc:
+            raise MatcherError(who[exc.request_index], exc.error) from exc.error
+        walks = [(who[c], t) for c, t in walks]
     record_build(
         walks,
-        rows,
+        len(mask),
         walk_seconds=perf_counter() - began,
         checked_nodes=checked,
         rejected_nodes=rejected,
     )
-    if valid is None:
-        return mask
-    return mask, valid.reshape(batch, stride) if stride else valid
 
 
 def _plain_reasoning(reasoning: Any, batch: int, vocab_size: int) -> Any:

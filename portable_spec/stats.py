@@ -15,6 +15,8 @@ import os
 import threading
 from collections.abc import Iterable
 
+import numpy as np
+
 __all__ = [
     "get_slow_grammar_threshold",
     "grammar_stats",
@@ -37,6 +39,19 @@ _SECONDS = (
 )
 _counters: dict[str, float] = {}
 _threshold: float | None = None
+# Counters the compiled chain build adds to itself (portable_spec.native's chain_masks), in
+# this order; grammar_stats() folds them in. Touched with the GIL held only.
+TALLY_FIELDS = (
+    "builds",
+    "requests",
+    "rows",
+    "build_seconds",
+    "walk_seconds",
+    "checked_nodes",
+    "rejected_nodes",
+    "slowest_seconds",
+)
+tally = np.zeros(len(TALLY_FIELDS), dtype=np.float64)
 
 
 def _default_threshold() -> float | None:
@@ -59,6 +74,7 @@ def reset_grammar_stats() -> None:
         _counters.update(dict.fromkeys(_COUNTERS, 0))
         _counters.update(dict.fromkeys(_SECONDS, 0.0))
         _counters["last_slow_request"] = -1
+        tally[:] = 0.0
 
 
 def grammar_stats() -> dict[str, float]:
@@ -83,7 +99,16 @@ def grammar_stats() -> dict[str, float]:
       index in its batch and time; -1 / 0.0 when none).
     """
     with _lock:
-        return dict(_counters)
+        snapshot = dict(_counters)
+        folded = tally.tolist()
+    for name, value in zip(TALLY_FIELDS, folded, strict=True):
+        if name == "slowest_seconds":
+            snapshot[name] = max(snapshot[name], value)
+        elif name.endswith("_seconds"):
+            snapshot[name] += value
+        else:
+            snapshot[name] += int(value)
+    return snapshot
 
 
 def set_slow_grammar_threshold(seconds: float | None) -> None:
@@ -144,15 +169,22 @@ def record_build(
         _counters["checked_nodes"] += checked_nodes
         _counters["rejected_nodes"] += rejected_nodes
         _counters["slowest_seconds"] = max(_counters["slowest_seconds"], slowest)
-        _counters["slow_requests"] += len(slow)
-        if slow:
-            _counters["last_slow_request"], _counters["last_slow_seconds"] = slow[-1]
-    for index, seconds in slow:
+    if slow:
+        note_slow(slow)
+
+
+def note_slow(walks: list[tuple[int, float]]) -> None:
+    """Count and log the ``(request index, seconds)`` walks over the threshold of one build."""
+    threshold = _threshold or 0.0
+    with _lock:
+        _counters["slow_requests"] += len(walks)
+        _counters["last_slow_request"], _counters["last_slow_seconds"] = walks[-1]
+    for index, seconds in walks:
         logger.warning(
             "grammar of request %d took %.1f ms to walk its draft tree (threshold %.1f ms)",
             index,
             seconds * 1e3,
-            threshold * 1e3,  # type: ignore[operator]
+            threshold * 1e3,
         )
 
 

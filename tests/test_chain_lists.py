@@ -13,13 +13,19 @@ import random
 
 import numpy as np
 import pytest
-from _oracle import Request, expected_reasoning_mask, matcher_state
+from _oracle import Request, expected_node_counts, expected_reasoning_mask, matcher_state
 from test_xgrammar_ffi import _random_chain, _terminated_request
 
 import portable_spec as ps
 import portable_spec.native as native_module
 from portable_spec import chains
 from portable_spec.builder import jobs
+from portable_spec.engines.xgrammar import chain_facts
+from portable_spec.stats import (
+    get_slow_grammar_threshold,
+    reset_grammar_stats,
+    set_slow_grammar_threshold,
+)
 
 END = 1  # stands for </think>: a token the sample JSON grammar never takes first
 
@@ -217,6 +223,111 @@ def test_a_batch_with_no_grammar_returns_none(smollm2):
     mask, valid = ps.build_chain_bitmask([None, None], [[3], []], smollm2.size, return_valid=True)
     assert mask is None
     assert valid.tolist() == [True, True, True]
+
+
+def _chain_arrays(drafts, width):
+    """(next_token, next_sibling, draft) of the chains, ``width`` nodes each, the nodes past a
+    request's drafts unreachable."""
+    batch = len(drafts)
+    next_token = np.full((batch, width), -1, dtype=np.int64)
+    draft = np.full((batch, width), -1, dtype=np.int64)
+    for b, row in enumerate(drafts):
+        next_token[b, : len(row)] = np.arange(1, len(row) + 1)
+        draft[b, : len(row) + 1] = [0, *row]
+    return next_token, np.full_like(next_token, -1), draft
+
+
+@pytest.mark.parametrize("rows_per_request", [None, 6])
+def test_counters_match_the_replay(smollm2, direct_calls, rows_per_request):
+    """grammar_stats after compiled calls: builds, rows and requests as given, checked and
+    refused draft nodes as the replay counts them; the counters add up over calls and reset
+    to zero."""
+    rng = random.Random(11 + (rows_per_request or 0))
+    counted = ("builds", "rows", "requests", "checked_nodes", "rejected_nodes")
+    reset_grammar_stats()
+    for _ in range(4):
+        requests, matchers, drafts, _ = _case(rng, smollm2, rng.randrange(2, 9), 5)
+        if all(m is None for m in matchers):
+            continue
+        _probe(matchers, smollm2)
+        reset_grammar_stats()  # the probe's own build is not counted below
+        for name in counted:
+            assert ps.grammar_stats()[name] == 0, name
+        mask = ps.build_chain_bitmask(
+            matchers, drafts, smollm2.size, rows_per_request=rows_per_request
+        )
+        checked, rejected = expected_node_counts(
+            requests, *_chain_arrays(drafts, 6), smollm2.size, smollm2.words
+        )
+        stats = ps.grammar_stats()
+        assert stats["builds"] == 1
+        assert stats["rows"] == len(mask)
+        assert stats["requests"] == sum(m is not None for m in matchers)
+        assert (stats["checked_nodes"], stats["rejected_nodes"]) == (checked, rejected)
+        assert 0 < stats["slowest_seconds"] <= stats["build_seconds"] <= stats["walk_seconds"]
+        ps.build_chain_bitmask(matchers, drafts, smollm2.size, rows_per_request=rows_per_request)
+        again = ps.grammar_stats()
+        assert again["builds"] == 2 and again["rows"] == 2 * len(mask)
+        assert (again["checked_nodes"], again["rejected_nodes"]) == (2 * checked, 2 * rejected)
+    if native_module.bound_helper() is not None:
+        assert direct_calls and all(direct_calls)
+
+
+def test_slow_walks_are_counted_and_logged(smollm2, direct_calls, caplog):
+    """Every constrained request's walk over the threshold is logged with its index and
+    counted, through the compiled path as through the general one."""
+    rng = random.Random(4)
+    _, matchers, drafts, _ = _case(rng, smollm2, 6, 3)
+    matchers[2] = xgr_matcher(smollm2)
+    _probe(matchers, smollm2)
+    constrained = [b for b, m in enumerate(matchers) if m is not None]
+    threshold = get_slow_grammar_threshold()
+    set_slow_grammar_threshold(1e-12)
+    reset_grammar_stats()
+    try:
+        with caplog.at_level("WARNING", logger="portable_spec"):
+            ps.build_chain_bitmask(matchers, drafts, smollm2.size, rows_per_request=4)
+    finally:
+        set_slow_grammar_threshold(threshold)
+    logged = [r.getMessage() for r in caplog.records if "to walk its draft tree" in r.message]
+    assert [int(m.split()[3]) for m in logged] == constrained
+    stats = ps.grammar_stats()
+    assert stats["slow_requests"] == len(constrained)
+    assert stats["last_slow_request"] == constrained[-1]
+    if native_module.bound_helper() is not None:
+        assert direct_calls == [True]
+
+
+def test_matchers_enter_the_facts_table_when_probed_and_leave_with_them(smollm2, direct_calls):
+    """A matcher the library never saw is probed by the general build first (the compiled
+    call declines it); its facts then serve the compiled call until the matcher dies."""
+    import gc
+
+    matcher = xgr_matcher(smollm2)
+    key = id(matcher)
+    assert key not in chain_facts
+    first = ps.build_chain_bitmask([matcher], [[5, 6]], smollm2.size)
+    second = ps.build_chain_bitmask([matcher], [[5, 6]], smollm2.size)
+    np.testing.assert_array_equal(first, second)
+    if native_module.bound_helper() is None:
+        return
+    assert direct_calls == [False, True]
+    ref, handle, words, vocab_size, stops = chain_facts[key]
+    assert ref() is matcher and handle and not stops.flags.writeable
+    assert (words, vocab_size) == (smollm2.words, 32 * smollm2.words)
+    other = xgr_matcher(smollm2)
+    _probe([other], smollm2)
+    assert chain_facts[id(other)][4] is stops  # one array per stop set
+    del matcher, ref
+    gc.collect()
+    assert key not in chain_facts or chain_facts[key][0]() is not None
+
+
+def test_a_matcher_listed_twice_is_refused(smollm2):
+    matcher = xgr_matcher(smollm2)
+    _probe([matcher], smollm2)
+    with pytest.raises(ValueError, match="twice|same matcher|more than once"):
+        ps.build_chain_bitmask([matcher, matcher], [[5], [6]], smollm2.size)
 
 
 def xgr_matcher(vocab):

@@ -4,6 +4,7 @@ draft states by ``fork()``."""
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 import numpy as np
@@ -12,9 +13,22 @@ from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
 from portable_spec.native import traverse_xgrammar, xgrammar_handle
 
-__all__ = ["probe_xgrammar", "walk_xgrammar", "xgrammar_info", "xgrammar_states"]
+__all__ = [
+    "chain_facts",
+    "probe_xgrammar",
+    "walk_xgrammar",
+    "xgrammar_info",
+    "xgrammar_states",
+]
 
 _cache: IdentityCache[MatcherInfo] = IdentityCache()
+# id(matcher) -> (weak reference, handle, words, vocab_size, stop_ids) of every probed matcher
+# the compiled helper can call (handle != 0): the table the compiled chain build reads itself
+# (portable_spec.native's chain_masks), dropped with the matcher. stop_ids is one array per
+# distinct stop set (see _shared_stops), so that "same stop tokens" is an identity test.
+chain_facts: dict[int, tuple[Any, int, int, int, np.ndarray]] = {}
+_stop_arrays: dict[frozenset[int], np.ndarray] = {}
+_MAX_STOP_SETS = 256
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 
@@ -52,15 +66,46 @@ def probe_xgrammar(matcher: Any, model_words: int) -> MatcherInfo:
             ) from exc
         words = int(found.group(1))
     stop_list = [int(t) for t in matcher.stop_token_ids]
+    stop_set = frozenset(stop_list)
     info = MatcherInfo(
         words=words,
         vocab_size=32 * words,
-        stop_ids=np.asarray(stop_list, dtype=np.int64),
-        stop_set=frozenset(stop_list),
+        stop_ids=_shared_stops(stop_set, stop_list),
+        stop_set=stop_set,
         handle=xgrammar_handle(matcher),
     )
     _cache.put(matcher, info)
+    if info.handle:
+        _share_facts(matcher, info)
     return info
+
+
+def _shared_stops(stop_set: frozenset[int], stop_list: list[int]) -> np.ndarray:
+    """The int64 array of a stop set, the same object for every matcher with that set (a
+    bounded table: past it, a fresh array, which only costs those matchers the fast path)."""
+    array = _stop_arrays.get(stop_set)
+    if array is None:
+        array = np.array(stop_list, dtype=np.int64)
+        array.setflags(write=False)  # shared by every matcher of the set
+        if len(_stop_arrays) < _MAX_STOP_SETS:
+            array = _stop_arrays.setdefault(stop_set, array)
+    return array
+
+
+def _share_facts(matcher: Any, info: MatcherInfo) -> None:
+    """Enter ``matcher`` in :data:`chain_facts` until it dies."""
+    key = id(matcher)
+
+    def forget(ref: weakref.ref[Any], key: int = key) -> None:
+        entry = chain_facts.get(key)
+        if entry is not None and entry[0] is ref:
+            del chain_facts[key]
+
+    try:
+        ref = weakref.ref(matcher, forget)
+    except TypeError:  # no weak references: the general paths serve it
+        return
+    chain_facts[key] = (ref, info.handle, info.words, info.vocab_size, info.stop_ids)
 
 
 def walk_xgrammar(
