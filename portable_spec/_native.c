@@ -127,6 +127,15 @@
  *       `extra` (pack_chains' packed tuple, limit, stop_ids). None, nothing written and no
  *       matcher called, when anything above does not hold.
  *
+ *   span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold)
+ *       -> (mask, valid, failed, message, slow) or None
+ *       chain_masks for chain trees whose tokens are already a host array: `tokens` a
+ *       C-contiguous writable int64 array of every request's chain back to back (its root
+ *       first), `offsets` None (request b's chain is `width` tokens from b * width) or an
+ *       int64 [batch + 1] array of where each chain starts (packed). Every grammar a matcher
+ *       of `facts` (no None). The rows are the chains' own (no padding); `valid` is bool
+ *       [batch, width] or [rows]. A token out of [0, vocab_size) is a refused draft.
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1414,23 +1423,162 @@ static int fits_rows(PyObject *out, PyObject *ndarray, Py_ssize_t rows, Py_ssize
 enum { TALLY_BUILDS, TALLY_REQUESTS, TALLY_ROWS, TALLY_BUILD_SECONDS, TALLY_WALK_SECONDS,
        TALLY_CHECKED, TALLY_REJECTED, TALLY_SLOWEST, TALLY_SIZE };
 
+/* The compiled builds' environment (see chain_masks): borrowed references. */
+typedef struct {
+    PyObject *facts, *empty, *int32, *boolean, *ndarray, *tally;
+} MaskEnv;
+
+static int read_env(PyObject *env, MaskEnv *e) {
+    if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 6 ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 0))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "env must be (facts, empty, int32, bool, ndarray, tally)");
+        return -1;
+    }
+    e->facts = PyTuple_GET_ITEM(env, 0);
+    e->empty = PyTuple_GET_ITEM(env, 1);
+    e->int32 = PyTuple_GET_ITEM(env, 2);
+    e->boolean = PyTuple_GET_ITEM(env, 3);
+    e->ndarray = PyTuple_GET_ITEM(env, 4);
+    e->tally = PyTuple_GET_ITEM(env, 5);
+    return 0;
+}
+
+/* vocab_size as the compiled builds take it: an exact int in (0, 2^40], else -1. */
+static long long plain_vocab(PyObject *obj) {
+    if (!PyLong_CheckExact(obj)) return -1;
+    int overflow = 0;
+    long long vocab = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    return overflow || vocab <= 0 || vocab > (1LL << 40) ? -1 : vocab;
+}
+
+/* Each grammar's handle from the facts table into handles[n] (0 for None, allowed only with
+   `none_ok`); *stops and *known_vocab the matchers' shared stop array and vocabulary, *live
+   how many there are. 1 when every grammar is known at width `words`, all share one stop
+   set and vocabulary, none is listed twice and one at least is live; 0 when not (no error
+   set); -1 with an error set. */
+static int resolve_matchers(PyObject *facts, PyObject *const *gs, Py_ssize_t n,
+                            Py_ssize_t words, int none_ok, long long *handles, PyObject **stops,
+                            long long *known_vocab, Py_ssize_t *live) {
+    uintptr_t *seen = PyMem_Malloc(sizeof(uintptr_t) * (size_t)(n > 0 ? n : 1));
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int ok = 0;
+    *stops = NULL;
+    *live = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *g = gs[b];
+        handles[b] = 0;
+        if (g == Py_None) {
+            if (!none_ok) goto done;
+            continue;
+        }
+        PyObject *entry = matcher_facts(facts, g);
+        if (entry == NULL) goto done;
+        Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
+        long long handle = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            goto done;
+        }
+        if (w != words || handle == 0) goto done;
+        if (*stops == NULL) {
+            *stops = PyTuple_GET_ITEM(entry, 4);
+            *known_vocab = v;
+        } else if (PyTuple_GET_ITEM(entry, 4) != *stops || v != *known_vocab) {
+            goto done; /* matchers of other tokenizers: the general build checks them */
+        }
+        handles[b] = handle;
+        seen[(*live)++] = (uintptr_t)g;
+    }
+    if (*live == 0) goto done;
+    if (*live > 1) { /* a matcher listed twice would be walked twice: the general build refuses */
+        qsort(seen, (size_t)*live, sizeof(uintptr_t), compare_addresses);
+        for (Py_ssize_t i = 1; i < *live; i++)
+            if (seen[i] == seen[i - 1]) goto done;
+    }
+    ok = 1;
+done:
+    PyMem_Free(seen);
+    return ok;
+}
+
+/* The int32 [rows, words] mask to write: `out` (a new reference) when it fits, a new array
+   when `out` is None, NULL with no error set when `out` does not fit, NULL with an error set
+   when the allocation failed. */
+static PyObject *mask_for(const MaskEnv *e, PyObject *out, Py_ssize_t rows, Py_ssize_t words) {
+    if (out == Py_None) return PyObject_CallFunction(e->empty, "(nn)O", rows, words, e->int32);
+    return fits_rows(out, e->ndarray, rows, words) ? Py_NewRef(out) : NULL;
+}
+
+/* A new bool array of `rows` flags shaped [batch, width] (width > 0) or [rows]. */
+static PyObject *flags_for(const MaskEnv *e, Py_ssize_t rows, Py_ssize_t batch, Py_ssize_t width) {
+    return width ? PyObject_CallFunction(e->empty, "(nn)O", batch, width, e->boolean)
+                 : PyObject_CallFunction(e->empty, "(n)O", rows, e->boolean);
+}
+
+/* Add one build to the tally (times: per request, counted where handles[b] != 0) and return
+   the list of (request, seconds) walks over `threshold`, or None; NULL with an error set. */
+static PyObject *count_build(PyObject *tally_obj, const long long *handles, const double *times,
+                             Py_ssize_t n, Py_ssize_t rows, double seconds, Py_ssize_t checked,
+                             Py_ssize_t rejected, double threshold) {
+    Py_buffer tally;
+    if (PyObject_GetBuffer(tally_obj, &tally, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0)
+        return NULL;
+    if (tally.len < (Py_ssize_t)(sizeof(double) * TALLY_SIZE)) {
+        PyBuffer_Release(&tally);
+        PyErr_SetString(PyExc_TypeError, "the tally must be float64 [8]");
+        return NULL;
+    }
+    PyObject *slow = Py_NewRef(Py_None);
+    double *t = (double *)tally.buf, total = 0.0, slowest = 0.0;
+    Py_ssize_t requests = 0;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        if (handles[b] == 0) continue;
+        requests++;
+        total += times[b];
+        if (times[b] > slowest) slowest = times[b];
+        if (threshold > 0.0 && times[b] > threshold) {
+            if (slow == Py_None) {
+                Py_DECREF(slow);
+                if ((slow = PyList_New(0)) == NULL) break;
+            }
+            PyObject *item = Py_BuildValue("nd", b, times[b]);
+            if (item == NULL || PyList_Append(slow, item) != 0) {
+                Py_XDECREF(item);
+                Py_CLEAR(slow);
+                break;
+            }
+            Py_DECREF(item);
+        }
+    }
+    if (slow != NULL) {
+        t[TALLY_BUILDS] += 1.0;
+        t[TALLY_REQUESTS] += (double)requests;
+        t[TALLY_ROWS] += (double)rows;
+        t[TALLY_BUILD_SECONDS] += total;
+        t[TALLY_WALK_SECONDS] += seconds;
+        t[TALLY_CHECKED] += (double)checked;
+        t[TALLY_REJECTED] += (double)rejected;
+        if (slowest > t[TALLY_SLOWEST]) t[TALLY_SLOWEST] = slowest;
+    }
+    PyBuffer_Release(&tally);
+    return slow;
+}
+
 static PyObject *chain_masks(PyObject *self, PyObject *args) {
     PyObject *env, *grammars, *drafts, *stride_obj, *vocab_obj, *ends_obj, *active, *out;
     int want_valid;
     Py_ssize_t max_rows;
     double threshold;
+    MaskEnv e;
     if (!PyArg_ParseTuple(args, "OOOOOOOOpnd", &env, &grammars, &drafts, &stride_obj, &vocab_obj,
-                          &ends_obj, &active, &out, &want_valid, &max_rows, &threshold))
+                          &ends_obj, &active, &out, &want_valid, &max_rows, &threshold) ||
+        read_env(env, &e) != 0)
         return NULL;
-    if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 6 ||
-        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 0))) {
-        PyErr_SetString(PyExc_TypeError, "chain_masks: env must be (facts, empty, int32, bool, "
-                                         "ndarray, tally)");
-        return NULL;
-    }
-    PyObject *facts = PyTuple_GET_ITEM(env, 0), *empty = PyTuple_GET_ITEM(env, 1);
-    PyObject *int32 = PyTuple_GET_ITEM(env, 2), *boolean = PyTuple_GET_ITEM(env, 3);
-    PyObject *ndarray = PyTuple_GET_ITEM(env, 4), *tally_obj = PyTuple_GET_ITEM(env, 5);
     Py_ssize_t n, nd, stride = 0;
     PyObject *const *gs = draft_items(grammars, &n);
     PyObject *const *ds = draft_items(drafts, &nd);
@@ -1441,53 +1589,23 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
         if (stride == -1 && PyErr_Occurred()) PyErr_Clear();
         if (stride < 1 || stride > (1 << 24)) Py_RETURN_NONE;
     }
-    if (!PyLong_CheckExact(vocab_obj)) Py_RETURN_NONE;
-    int overflow = 0;
-    long long vocab = PyLong_AsLongLongAndOverflow(vocab_obj, &overflow);
-    if (overflow || vocab <= 0 || vocab > (1LL << 40)) Py_RETURN_NONE;
+    long long vocab = plain_vocab(vocab_obj);
+    if (vocab < 0) Py_RETURN_NONE;
     Py_ssize_t words = (Py_ssize_t)((vocab + 31) >> 5);
-
-    /* each matcher's facts, as learnt when it was probed; anything unknown declines */
-    PyObject *handles = PyList_New(n), *mask = NULL, *valid = NULL, *result = NULL;
-    uintptr_t *seen = PyMem_Malloc(sizeof(uintptr_t) * (size_t)n);
+    PyObject *handles = NULL, *mask = NULL, *valid = NULL, *result = NULL;
+    long long *ids = PyMem_Malloc(sizeof(long long) * (size_t)n);
     double *times = PyMem_Calloc((size_t)n, sizeof(double));
-    if (handles == NULL || seen == NULL || times == NULL) {
-        if (handles != NULL) PyErr_NoMemory();
+    if (ids == NULL || times == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    PyObject *stops = NULL;
+    PyObject *stops;
     long long known_vocab = 0;
-    Py_ssize_t live = 0;
-    for (Py_ssize_t b = 0; b < n; b++) {
-        PyObject *g = gs[b];
-        if (g == Py_None) {
-            PyList_SET_ITEM(handles, b, PyLong_FromLong(0));
-            continue;
-        }
-        PyObject *entry = matcher_facts(facts, g);
-        if (entry == NULL) goto decline;
-        Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
-        if (PyErr_Occurred()) {
-            PyErr_Clear();
-            goto decline;
-        }
-        if (w != words) goto decline;
-        if (stops == NULL) {
-            stops = PyTuple_GET_ITEM(entry, 4);
-            known_vocab = v;
-        } else if (PyTuple_GET_ITEM(entry, 4) != stops || v != known_vocab) {
-            goto decline; /* matchers of other tokenizers: the general build checks them */
-        }
-        Py_INCREF(PyTuple_GET_ITEM(entry, 1));
-        PyList_SET_ITEM(handles, b, PyTuple_GET_ITEM(entry, 1));
-        seen[live++] = (uintptr_t)g;
-    }
-    if (live == 0) goto decline;
-    if (live > 1) { /* a matcher listed twice would be walked twice: the general build refuses */
-        qsort(seen, (size_t)live, sizeof(uintptr_t), compare_addresses);
-        for (Py_ssize_t i = 1; i < live; i++)
-            if (seen[i] == seen[i - 1]) goto decline;
+    Py_ssize_t live;
+    int known = resolve_matchers(e.facts, gs, n, words, 1, ids, &stops, &known_vocab, &live);
+    if (known <= 0) {
+        result = known < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
     }
     Py_ssize_t rows = 0;
     for (Py_ssize_t b = 0; b < n; b++) {
@@ -1496,24 +1614,20 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
         if (k < 0 || (stride && k >= stride)) goto decline;
         rows += stride ? stride : k + 1;
     }
-    int parts = max_rows > 0 && rows >= max_rows && live > 1;
-    if (out == Py_None) {
-        mask = PyObject_CallFunction(empty, "(nn)O", rows, words, int32);
-        if (mask == NULL) goto done;
-    } else if (fits_rows(out, ndarray, rows, words)) {
-        mask = Py_NewRef(out);
-    } else {
+    if ((handles = PyList_New(n)) == NULL) goto done;
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *handle = PyLong_FromLongLong(ids[b]);
+        if (handle == NULL) goto done;
+        PyList_SET_ITEM(handles, b, handle);
+    }
+    if ((mask = mask_for(&e, out, rows, words)) == NULL) {
+        if (PyErr_Occurred()) goto done;
         goto decline;
     }
-    if (want_valid) {
-        valid = stride ? PyObject_CallFunction(empty, "(nn)O", n, stride, boolean)
-                       : PyObject_CallFunction(empty, "(n)O", rows, boolean);
-        if (valid == NULL) goto done;
-    } else {
-        valid = Py_NewRef(Py_None);
-    }
+    valid = want_valid ? flags_for(&e, rows, n, stride) : Py_NewRef(Py_None);
+    if (valid == NULL) goto done;
     long long limit = vocab < known_vocab ? vocab : known_vocab;
-    if (parts) { /* packed here, walked in parts on the caller's pool */
+    if (max_rows > 0 && rows >= max_rows && live > 1) { /* walked in parts by the caller */
         PyObject *packed = pack_walk(drafts, handles, stride, vocab, ends_obj, active, mask, valid,
                                      -1, Py_None, Py_None, NULL, 0);
         if (packed == NULL || packed == Py_None) {
@@ -1537,51 +1651,11 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
     Py_ssize_t checked = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 0));
     Py_ssize_t rejected = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 1));
     Py_ssize_t failed = PyLong_AsSsize_t(PyTuple_GET_ITEM(walked, 2));
-    PyObject *message = PyTuple_GET_ITEM(walked, 3);
-    PyObject *slow = Py_None;
-    if (failed < 0) { /* the build's accounting (stats.grammar_stats merges the tally) */
-        Py_buffer tally;
-        if (PyObject_GetBuffer(tally_obj, &tally, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0 ||
-            tally.len < (Py_ssize_t)(sizeof(double) * TALLY_SIZE)) {
-            if (!PyErr_Occurred()) {
-                PyBuffer_Release(&tally);
-                PyErr_SetString(PyExc_TypeError, "chain_masks: the tally must be float64 [8]");
-            }
-            Py_DECREF(walked);
-            goto done;
-        }
-        double *t = (double *)tally.buf, total = 0.0, slowest = 0.0;
-        for (Py_ssize_t b = 0; b < n; b++) {
-            if (gs[b] == Py_None) continue;
-            total += times[b];
-            if (times[b] > slowest) slowest = times[b];
-            if (threshold > 0.0 && times[b] > threshold) {
-                if (slow == Py_None && (slow = PyList_New(0)) == NULL) break;
-                PyObject *item = Py_BuildValue("nd", b, times[b]);
-                if (item == NULL || PyList_Append(slow, item) != 0) {
-                    Py_XDECREF(item);
-                    break;
-                }
-                Py_DECREF(item);
-            }
-        }
-        t[TALLY_BUILDS] += 1.0;
-        t[TALLY_REQUESTS] += (double)live;
-        t[TALLY_ROWS] += (double)rows;
-        t[TALLY_BUILD_SECONDS] += total;
-        t[TALLY_WALK_SECONDS] += seconds;
-        t[TALLY_CHECKED] += (double)checked;
-        t[TALLY_REJECTED] += (double)rejected;
-        if (slowest > t[TALLY_SLOWEST]) t[TALLY_SLOWEST] = slowest;
-        PyBuffer_Release(&tally);
-        if (PyErr_Occurred()) {
-            Py_XDECREF(slow == Py_None ? NULL : slow);
-            Py_DECREF(walked);
-            goto done;
-        }
-    }
-    result = Py_BuildValue("OOnOO", mask, valid, failed, message, slow);
-    if (slow != Py_None) Py_DECREF(slow);
+    PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,
+                                              rejected, threshold)
+                                : Py_NewRef(Py_None);
+    if (slow != NULL)
+        result = Py_BuildValue("OOnON", mask, valid, failed, PyTuple_GET_ITEM(walked, 3), slow);
     Py_DECREF(walked);
     goto done;
 decline:
@@ -1591,7 +1665,137 @@ done:
     Py_XDECREF(mask);
     Py_XDECREF(handles);
     PyMem_Free(times);
-    PyMem_Free(seen);
+    PyMem_Free(ids);
+    return result;
+}
+
+static PyObject *span_masks(PyObject *self, PyObject *args) {
+    PyObject *env, *grammars, *tokens_obj, *offsets_obj, *vocab_obj, *out;
+    Py_ssize_t width;
+    int want_valid;
+    double threshold;
+    MaskEnv e;
+    if (!PyArg_ParseTuple(args, "OOOOnOOpd", &env, &grammars, &tokens_obj, &offsets_obj, &width,
+                          &vocab_obj, &out, &want_valid, &threshold) ||
+        read_env(env, &e) != 0)
+        return NULL;
+    Py_ssize_t n;
+    PyObject *const *gs = draft_items(grammars, &n);
+    long long vocab = plain_vocab(vocab_obj);
+    if (n <= 0 || vocab < 0 || (offsets_obj == Py_None && width < 1)) Py_RETURN_NONE;
+    Py_ssize_t words = (Py_ssize_t)((vocab + 31) >> 5);
+    Py_buffer tokens, offsets;
+    if (PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                                    PyBUF_WRITABLE) != 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int has_offsets = offsets_obj != Py_None;
+    if (has_offsets && get_buffer(offsets_obj, &offsets, 0, 'i', 8, 1, "offsets") != 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&tokens);
+        Py_RETURN_NONE;
+    }
+    PyObject *mask = NULL, *valid = NULL, *result = NULL;
+    long long *ids = PyMem_Malloc(sizeof(long long) * (size_t)n);
+    double *times = PyMem_Calloc((size_t)n, sizeof(double));
+    int64_t *table = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)n);
+    int64_t *links = NULL;
+    FfiAny *matchers = NULL;
+    if (ids == NULL || times == NULL || table == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const char *fmt = tokens.format ? tokens.format : "B";
+    if (*fmt == '=' || *fmt == '@' || *fmt == '<') fmt++;
+    if ((fmt[0] != 'q' && fmt[0] != 'l') || fmt[1] != 0 || tokens.itemsize != 8) goto decline;
+    Py_ssize_t total = tokens.len / 8, rows = 0, longest = 1;
+    const int64_t *off = has_offsets ? (const int64_t *)offsets.buf : NULL;
+    if (has_offsets && (offsets.shape[0] != n + 1 || off[0] != 0)) goto decline;
+    for (Py_ssize_t b = 0; b < n; b++) { /* request b: rows (and tokens) first .. first + len */
+        int64_t first = has_offsets ? off[b] : (int64_t)b * width;
+        int64_t len = has_offsets ? off[b + 1] - off[b] : width;
+        if (len < 1 || first != rows) goto decline;
+        table[4 * b] = table[4 * b + 1] = first;
+        table[4 * b + 2] = len;
+        rows += len;
+        if (len > longest) longest = len;
+    }
+    if (rows != total) goto decline;
+    PyObject *stops;
+    long long known_vocab = 0;
+    Py_ssize_t live;
+    int known = resolve_matchers(e.facts, gs, n, words, 0, ids, &stops, &known_vocab, &live);
+    if (known <= 0) {
+        result = known < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) table[4 * b + 3] = ids[b];
+    if ((mask = mask_for(&e, out, rows, words)) == NULL) {
+        if (PyErr_Occurred()) goto done;
+        goto decline;
+    }
+    valid = want_valid ? flags_for(&e, rows, n, has_offsets ? 0 : width) : Py_NewRef(Py_None);
+    if (valid == NULL) goto done;
+    Py_buffer flags;
+    if (want_valid && get_flags(valid, &flags, rows) != 0) goto done;
+    Py_buffer rows_view;
+    if (get_buffer(mask, &rows_view, 1, 'i', 4, 2, "rows") != 0) {
+        if (want_valid) PyBuffer_Release(&flags);
+        goto done;
+    }
+    Py_buffer stop_view;
+    if (get_buffer(stops, &stop_view, 0, 'i', 8, 1, "stop_ids") != 0) {
+        PyBuffer_Release(&rows_view);
+        if (want_valid) PyBuffer_Release(&flags);
+        goto done;
+    }
+    matchers = matcher_args(table, n);
+    links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
+    if (matchers == NULL || links == NULL) {
+        if (links == NULL && !PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        long long limit = vocab < known_vocab ? vocab : known_vocab;
+        Py_ssize_t checked = 0, rejected = 0, failed = -1;
+        char *error = NULL;
+        struct timespec began;
+        double seconds;
+        clock_gettime(CLOCK_MONOTONIC, &began);
+        Py_BEGIN_ALLOW_THREADS
+        failed = walk_table((int32_t *)rows_view.buf, words, (int64_t *)tokens.buf, table, n,
+                            matchers, links, longest, limit, (const int64_t *)stop_view.buf,
+                            stop_view.shape[0], 0, want_valid ? (uint8_t *)flags.buf : NULL,
+                            times, &checked, &rejected, &error);
+        Py_END_ALLOW_THREADS
+        lap(&seconds, &began);
+        PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,
+                                                  rejected, threshold)
+                                    : Py_NewRef(Py_None);
+        if (slow != NULL) {
+            if (failed < 0)
+                result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-1, Py_None, slow);
+            else
+                result = Py_BuildValue("OOnsN", mask, valid, failed,
+                                       error != NULL ? error : "xgrammar failed", slow);
+        }
+        free(error);
+    }
+    PyBuffer_Release(&stop_view);
+    PyBuffer_Release(&rows_view);
+    if (want_valid) PyBuffer_Release(&flags);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(valid);
+    Py_XDECREF(mask);
+    PyMem_Free(links);
+    PyMem_Free(matchers);
+    PyMem_Free(table);
+    PyMem_Free(times);
+    PyMem_Free(ids);
+    if (has_offsets) PyBuffer_Release(&offsets);
+    PyBuffer_Release(&tokens);
     return result;
 }
 
@@ -1635,6 +1839,10 @@ static PyMethodDef methods[] = {
      "message) with `limit`, or None: per-request draft lists as walk_chains' table, the rows "
      "no grammar walks written; with `limit`, walked and repaired in the same call (GIL "
      "released)."},
+    {"span_masks", span_masks, METH_VARARGS,
+     "span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold) "
+     "-> (mask, valid, failed, message, slow) or None: a small build of chain trees (host int64 "
+     "tokens) in one call, GIL released for the walk."},
     {"chain_masks", chain_masks, METH_VARARGS,
      "chain_masks(env, grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
      "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None: "

@@ -23,17 +23,15 @@ from portable_spec import native as compiled
 from portable_spec import stats
 from portable_spec.builder import build_host_bitmask, jobs
 from portable_spec.builder.reasoning import Reasoning
-from portable_spec.engines.xgrammar import chain_facts
+from portable_spec.engines.xgrammar import compiled_env
 from portable_spec.errors import MatcherError
 from portable_spec.pending import pending_builds
-from portable_spec.stats import note_slow, record_build, tally
+from portable_spec.stats import note_slow, record_build
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_chain_bitmask", "chain_tree"]
 
 _NO_ENDS = np.zeros(0, dtype=np.int64)
-# what the compiled call reads besides its arguments (see native's chain_masks)
-_ENV = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, tally)
 _end_arrays: dict[frozenset[int], np.ndarray] = {}
 
 
@@ -193,12 +191,12 @@ def _direct(
     threshold = stats._threshold or -1.0  # the slow-walk warning's (seconds; -1: none)
     parts = jobs.CHAIN_TABLE_PARALLEL_ROWS  # the pool splits them only with threads to spare
     args = (rows_per_request, vocab_size, ends, active, out, return_valid, parts, threshold)
-    done = native.chain_masks(_ENV, grammars, drafts, *args)
+    done = native.chain_masks(compiled_env, grammars, drafts, *args)
     if done is None:
         lists = _as_lists(drafts)
         if lists is None:
             return None
-        done = native.chain_masks(_ENV, grammars, lists, *args)
+        done = native.chain_masks(compiled_env, grammars, lists, *args)
         if done is None:
             return None
     mask, valid, failed, message, extra = done

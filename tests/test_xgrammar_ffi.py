@@ -21,6 +21,7 @@ from _oracle import (
     Request,
     expected_accepted,
     expected_mask,
+    expected_node_counts,
     expected_rows,
     fill_row,
     matcher_state,
@@ -326,23 +327,25 @@ def test_an_unknown_signature_keeps_the_python_binding(smollm2, monkeypatch):
 @compiled_only
 @pytest.mark.parametrize("direct", [True, False])
 def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
-    """The small-call path of build_host_bitmask: one helper call when every matcher has a
-    handle, else one binding call per request; the rows and valid flags are the replay's."""
+    """The small-call path of build_host_bitmask: one helper call (``span_masks``) when every
+    matcher has a handle, else one binding call per request; the rows and valid flags are the
+    replay's."""
     if not direct:
         monkeypatch.setattr(native_module, "_bound_helper", [None])  # as if never bound
     calls = {"one": 0, "each": 0}
     counted = dict(calls)
-    each, walk = small._walk_each, native.walk_chains
+    each, walk = small._walk_each, native.span_masks
 
     def spy_one(*args):
-        calls["one"] += 1
-        return walk(*args)
+        done = walk(*args)
+        calls["one"] += done is not None
+        return done
 
     def spy_each(*args):
         calls["each"] += 1
         return each(*args)
 
-    monkeypatch.setattr(native, "walk_chains", spy_one)
+    monkeypatch.setattr(native, "span_masks", spy_one)
     monkeypatch.setattr(small, "_walk_each", spy_each)
     rng = random.Random(20)
     for _ in range(4):
@@ -374,6 +377,87 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
                 request.fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
             )
     assert counted == ({"one": 4, "each": 0} if direct else {"one": 0, "each": 4})
+
+
+@compiled_only
+@pytest.mark.parametrize("packed", [False, True])
+def test_small_chain_trees_in_one_call_match_the_replay(smollm2, monkeypatch, packed):
+    """Chain trees (``from_linear_chain``, ``from_packed_chains``) of probed matchers, a
+    terminated one among them: one ``span_masks`` call gives the replay's rows, valid flags
+    and node counts, into ``out`` or a new array; slow walks are counted and logged."""
+    from portable_spec.stats import (
+        get_slow_grammar_threshold,
+        reset_grammar_stats,
+        set_slow_grammar_threshold,
+    )
+
+    taken = []
+    walk = native.span_masks
+
+    def spy(*args):
+        done = walk(*args)
+        taken.append(done is not None)
+        return done
+
+    monkeypatch.setattr(native, "span_masks", spy)
+    rng = random.Random(30 + packed)
+    threshold = get_slow_grammar_threshold()
+    try:
+        for trial in range(4):
+            batch, k = rng.randrange(1, 6), rng.randrange(1, 6)
+            pairs = [_random_chain(rng, smollm2, k) for _ in range(batch)]
+            if trial % 2:
+                pairs[rng.randrange(batch)] = (_terminated_request(smollm2), [3])
+            requests = [request for request, _ in pairs]
+            rows = [[0, *[t if t >= 0 else smollm2.size + 5 for t in d]] for _, d in pairs]
+            if not packed:
+                rows = [r + [smollm2.size + 5] * (k + 1 - len(r)) for r in rows]
+            width = max(len(r) for r in rows)
+            matchers = [request.native() for request in requests]
+            for m in matchers:  # the library's first look: the general path probes each
+                ps.build_host_bitmask(
+                    [m], ps.GrammarTree.from_linear_chain(np.zeros((1, 1), np.int64)), smollm2.size
+                )
+            if packed:
+                offsets = np.cumsum([0, *map(len, rows)])
+                tree = ps.GrammarTree.from_packed_chains(
+                    np.array([t for r in rows for t in r], dtype=np.int64), offsets
+                )
+            else:
+                tree = ps.GrammarTree.from_linear_chain(np.array(rows, dtype=np.int64))
+            out = None if trial < 2 else np.zeros((tree.rows, smollm2.words), dtype=np.int32)
+            set_slow_grammar_threshold(1e-12 if trial == 3 else None)
+            reset_grammar_stats()
+            taken.clear()
+            mask, valid = ps.build_host_bitmask(
+                matchers, tree, smollm2.size, out=out, return_valid=True
+            )
+            assert taken == [True]
+            assert out is None or mask is out
+            flat = valid.reshape(-1).tolist()
+            row = 0
+            next_token = np.full((batch, width), -1, dtype=np.int64)
+            draft = np.full((batch, width), -1, dtype=np.int64)
+            for b, (request, tokens) in enumerate(zip(requests, rows, strict=True)):
+                nt, ns = _links(len(tokens))
+                next_token[b, : len(tokens)] = nt
+                draft[b, : len(tokens)] = tokens
+                args = (request.fresh, nt.tolist(), ns.tolist(), tokens, smollm2.size)
+                want = expected_rows(*args, smollm2.words)
+                np.testing.assert_array_equal(mask[row : row + len(tokens)], want)
+                assert flat[row : row + len(tokens)] == expected_accepted(*args, smollm2.words)
+                row += len(tokens)
+            assert valid.shape == ((row,) if packed else (batch, k + 1))
+            stats = ps.grammar_stats()
+            counts = expected_node_counts(
+                requests, next_token, np.full_like(next_token, -1), draft, smollm2.size,
+                smollm2.words,
+            )  # fmt: skip
+            assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
+            assert (stats["builds"], stats["rows"], stats["requests"]) == (1, row, batch)
+            assert stats["slow_requests"] == (batch if trial == 3 else 0)
+    finally:
+        set_slow_grammar_threshold(threshold)
 
 
 @compiled_only

@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
+from portable_spec import stats
 from portable_spec.builder import jobs
-from portable_spec.engines.xgrammar import xgrammar_info
+from portable_spec.engines.xgrammar import compiled_env, xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import XGRAMMAR, _kind_by_type
 from portable_spec.pending import pending_builds
+from portable_spec.stats import note_slow
 from portable_spec.tree import GrammarTree
 
 __all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "small_chains"]
@@ -71,7 +73,10 @@ def small_chains(
     ``from_packed_chains`` requests of plain xgrammar matchers already probed at the model's
     width, nothing pending, a valid ``out`` (or none). Walks and repairs each request on the
     calling thread, reading the caller's tokens in place when they are host int64 arrays (no
-    resolve, no padding, the links of each chain length made once). Returns what
+    resolve, no padding, the links of each chain length made once): then the checks, the
+    matchers' facts, the outputs, the walk and the counters are one compiled call
+    (``span_masks``); otherwise the walk is one compiled call or one binding call per
+    request. Returns what
     :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is unusual
     (nothing written, no matcher moved): the general path then checks everything and raises
     what it must."""
@@ -91,6 +96,21 @@ def small_chains(
         or (return_valid and not getattr(native, "REPAIR_VALID", 0))
     ):
         return None
+    tokens = tree.host_chain_tokens()
+    if tokens is not None and native is compiled.bound_helper():
+        # checks, the matchers' facts, the outputs, the walk and the counters in one call
+        offsets = tree._offsets.offsets if packed else None  # type: ignore[union-attr]
+        done = native.span_masks(
+            compiled_env, grammars, tokens, offsets, nodes, vocab_size, out, return_valid,
+            stats._threshold or -1.0,
+        )  # fmt: skip
+        if done is not None:
+            mask, valid, failed, message, slow = done
+            if failed >= 0:
+                raise MatcherError(failed, RuntimeError(message))
+            if slow:
+                note_slow(slow)
+            return (mask, valid) if return_valid else mask
     words = (vocab_size + 31) >> 5
     infos = []
     for g in grammars:
@@ -107,7 +127,6 @@ def small_chains(
     if mask is None:
         return None
     started = perf_counter()
-    tokens = tree.host_chain_tokens()
     if tokens is None:  # staged, another dtype or layout: the tree's own int64 copy
         if packed:
             return None

@@ -9,12 +9,14 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import stats
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
 from portable_spec.native import traverse_xgrammar, xgrammar_handle
 
 __all__ = [
     "chain_facts",
+    "compiled_env",
     "probe_xgrammar",
     "walk_xgrammar",
     "xgrammar_info",
@@ -29,6 +31,8 @@ _cache: IdentityCache[MatcherInfo] = IdentityCache()
 chain_facts: dict[int, tuple[Any, int, int, int, np.ndarray]] = {}
 _stop_arrays: dict[frozenset[int], np.ndarray] = {}
 _MAX_STOP_SETS = 256
+# what the compiled builds read besides their arguments (native's chain_masks, span_masks)
+compiled_env = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, stats.tally)
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 
