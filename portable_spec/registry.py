@@ -129,6 +129,13 @@ def get_backend(name: str) -> Backend:
     return _instantiate(entry)
 
 
+def host_backend() -> Backend:
+    """``get_backend("numpy")`` in a few steps once it exists: the backend of host trees and
+    masks, asked for on every call of the hot paths."""
+    instance = _entries["numpy"].instance
+    return instance if instance is not None else get_backend("numpy")
+
+
 def backend_for(obj: Any) -> Backend:
     """The backend whose framework owns ``obj`` (an array, or a device/placement object).
 

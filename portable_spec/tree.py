@@ -16,7 +16,7 @@ import numpy as np
 
 from portable_spec import native
 from portable_spec.backend import ArrayInfo, Backend, StagedArrays
-from portable_spec.registry import backend_for, get_backend
+from portable_spec.registry import backend_for, get_backend, host_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
 
 __all__ = ["GrammarTree", "as_int64", "host_array", "integer_info"]
@@ -233,8 +233,7 @@ class GrammarTree:
             and draft_tokens.shape[1] >= 1
         ):  # the common host case in a few attribute reads (no framework look-up)
             batch, nodes = draft_tokens.shape
-            host = get_backend("numpy")
-            return cls([([2], _Ready([draft_tokens]))], batch, nodes, host, chain=True)
+            return cls([([2], _Ready([draft_tokens]))], batch, nodes, host_backend(), chain=True)
         backend = backend_for(draft_tokens)
         info = _info("draft_tokens", draft_tokens, backend)
         batch, nodes = _check_shapes([info], ["draft_tokens"])
@@ -271,17 +270,18 @@ class GrammarTree:
         if isinstance(tokens, (list, tuple)):
             tokens = np.asarray(tokens, dtype=np.int64)
         if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype.kind in "iu":
-            host = _host_offsets(offsets)
+            host = offsets if type(offsets) is np.ndarray else _host_offsets(offsets)
             if host is not None:  # the common host case: no framework look-up
-                layout = _packed_layout(host, tokens.shape[0])
+                rows = tokens.shape[0]
+                layout = _packed_layout(host, rows)
                 return cls(
                     [([2], _Ready([tokens]))],
                     layout.batch,
                     layout.nodes,
-                    get_backend("numpy"),
+                    host_backend(),
                     False,
                     offsets=layout,
-                    rows=tokens.shape[0],
+                    rows=rows,
                 )
         backend = backend_for(tokens)
         info = _info("tokens", tokens, backend)
@@ -318,7 +318,7 @@ class GrammarTree:
         np.cumsum(lengths, out=offsets[1:])
         offsets.flags.writeable = False
         layout = _PackedLayout(offsets, starts)
-        tree = cls([([2], _Ready([tokens]))], layout.batch, layout.nodes, get_backend("numpy"),
+        tree = cls([([2], _Ready([tokens]))], layout.batch, layout.nodes, host_backend(),
                    False, offsets=layout, rows=int(offsets[-1]))  # fmt: skip
         tree.rows = rows
         return tree
@@ -534,11 +534,14 @@ class _PackedLayout:
     """The checked row layout of packed chains, shared by every tree with the same offsets:
     spans, the longest chain, the chain links padded to ``[batch, nodes]`` (read-only)."""
 
-    __slots__ = ("batch", "inside", "next_sibling", "next_token", "nodes", "offsets", "spans")
+    __slots__ = (
+        "batch", "inside", "next_sibling", "next_token", "nodes", "offsets", "rows", "spans",
+    )  # fmt: skip
 
     def __init__(self, offsets: np.ndarray, starts: list[int] | None = None) -> None:
         self.offsets = offsets
         bounds = offsets.tolist()
+        self.rows: int = bounds[-1]  # the packed tokens' count
         lengths = [e - s for s, e in itertools.pairwise(bounds)]
         self.batch = len(lengths)
         self.nodes = max(lengths, default=1)
@@ -562,16 +565,23 @@ class _PackedLayout:
         return self.next_token, self.next_sibling, draft
 
 
-_packed_cache: dict[bytes, _PackedLayout] = {}
+# int64 offsets by their bytes, other integer dtypes by (dtype, bytes): the two never collide
+_packed_cache: dict[bytes | tuple[str, bytes], _PackedLayout] = {}
+_INT64 = np.dtype(np.int64)
 
 
 def _packed_layout(host: np.ndarray, rows: int) -> _PackedLayout:
     """The layout of host offsets, checked (see :func:`_check_offsets`) the first time these
     offsets are seen; cached by their bytes."""
-    usable = host.ndim == 1 and host.dtype.kind in "iu"
-    key = host.dtype.str.encode() + host.tobytes() if usable else None
+    key: bytes | tuple[str, bytes] | None = None
+    if host.ndim == 1:
+        dtype = host.dtype
+        if dtype is _INT64:  # the common case, in as few steps as possible
+            key = host.tobytes()
+        elif dtype.kind in "iu":
+            key = (dtype.str, host.tobytes())
     layout = None if key is None else _packed_cache.get(key)
-    if layout is None or int(layout.offsets[-1]) != rows:
+    if layout is None or layout.rows != rows:
         layout = _PackedLayout(_check_offsets(host, rows))
         if key is not None:
             if len(_packed_cache) > 256:

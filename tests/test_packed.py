@@ -395,6 +395,14 @@ def test_offsets_layout_is_not_confused_across_shapes_and_lengths(smollm2):
         ps.GrammarTree.from_packed_chains(tokens, offsets.reshape(1, -1))
     with pytest.raises(ValueError, match="tokens has 7 entries but offsets"):
         ps.GrammarTree.from_packed_chains(tokens[:-1], offsets)
+    # another dtype whose bytes equal the good int64 offsets' is read by its own values
+    same_bytes = offsets.astype(np.int64).view(np.int32)
+    assert same_bytes.tobytes() == offsets.astype(np.int64).tobytes()
+    with pytest.raises(ValueError, match=r"request 0 has offsets\[1\] - offsets\[0\] = 0"):
+        ps.GrammarTree.from_packed_chains(tokens, same_bytes)
+    for dtype in (np.int32, np.uint8, np.int16):
+        tree = ps.GrammarTree.from_packed_chains(tokens, offsets.astype(dtype))
+        assert (tree.batch, tree.nodes, tree.rows) == (good.batch, good.nodes, good.rows)
 
 
 def test_an_older_compiled_helper_still_gives_the_oracle_rows(smollm2, monkeypatch):
