@@ -136,6 +136,14 @@
  *       of `facts` (no None). The rows are the chains' own (no padding); `valid` is bool
  *       [batch, width] or [rows]. A token out of [0, vocab_size) is a refused draft.
  *
+ *   tree_masks(env, grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid,
+ *              threshold) -> (mask, valid, failed, message, slow) or None
+ *       span_masks for verify trees: the three arrays C-contiguous int64 [batch, nodes] of one
+ *       shape, each request's links local to it. Links that do not form a tree (as
+ *       links_valid decides) return None, nothing written: the general build says which.
+ *       Every grammar a matcher of `facts` (no None). Rows [batch * nodes], `valid` bool
+ *       [batch, nodes]; rows no link reaches are all-allowed and not accepted.
+ *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1669,6 +1677,137 @@ done:
     return result;
 }
 
+/* tree_masks' three [batch, nodes] int64 arrays, held: 0 when they all are such arrays of one
+   shape, else -1 with none held and no error set. */
+static int get_tree_arrays(PyObject *const *objs, Py_buffer *views) {
+    static const char *names[3] = {"next_token", "next_sibling", "tokens"};
+    for (int i = 0; i < 3; i++) {
+        if (get_buffer(objs[i], &views[i], 0, 'i', 8, 2, names[i]) != 0 ||
+            views[i].shape[0] != views[0].shape[0] || views[i].shape[1] != views[0].shape[1] ||
+            views[i].shape[1] < 1) {
+            if (PyErr_Occurred())
+                PyErr_Clear();
+            else
+                PyBuffer_Release(&views[i]);
+            while (i-- > 0) PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *tree_masks(PyObject *self, PyObject *args) {
+    PyObject *env, *grammars, *arrays[3], *vocab_obj, *out;
+    int want_valid;
+    double threshold;
+    MaskEnv e;
+    if (!PyArg_ParseTuple(args, "OOOOOOOpd", &env, &grammars, &arrays[0], &arrays[1], &arrays[2],
+                          &vocab_obj, &out, &want_valid, &threshold) ||
+        read_env(env, &e) != 0)
+        return NULL;
+    Py_ssize_t n;
+    PyObject *const *gs = draft_items(grammars, &n);
+    long long vocab = plain_vocab(vocab_obj);
+    if (n <= 0 || vocab < 0) Py_RETURN_NONE;
+    Py_buffer views[3];
+    if (get_tree_arrays(arrays, views) != 0) Py_RETURN_NONE;
+    Py_ssize_t words = (Py_ssize_t)((vocab + 31) >> 5), nodes = views[0].shape[1];
+    Py_ssize_t rows = n * nodes;
+    int64_t *nt = (int64_t *)views[0].buf, *ns = (int64_t *)views[1].buf;
+    int64_t *tok = (int64_t *)views[2].buf;
+    PyObject *mask = NULL, *valid = NULL, *result = NULL;
+    long long *ids = PyMem_Malloc(sizeof(long long) * (size_t)n);
+    double *times = PyMem_Calloc((size_t)n, sizeof(double));
+    int64_t *table = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)n);
+    /* scratch of one tree: in-degrees and queue (int32), then flags (one byte each) */
+    void *scratch = PyMem_Malloc((size_t)nodes * (2 * sizeof(int32_t) + 1));
+    FfiAny *matchers = NULL;
+    if (ids == NULL || times == NULL || table == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views[0].shape[0] != n) goto decline;
+    int32_t *indegree = (int32_t *)scratch, *queue = indegree + nodes;
+    uint8_t *seen = (uint8_t *)(queue + nodes);
+    for (Py_ssize_t b = 0; b < n; b++) {
+        if (!request_links_valid(nt + b * nodes, ns + b * nodes, nodes, indegree, queue, seen))
+            goto decline; /* the general build explains which link is wrong */
+        table[4 * b] = table[4 * b + 1] = b * nodes;
+        table[4 * b + 2] = nodes;
+    }
+    PyObject *stops;
+    long long known_vocab = 0;
+    Py_ssize_t live;
+    int known = resolve_matchers(e.facts, gs, n, words, 0, ids, &stops, &known_vocab, &live);
+    if (known <= 0) {
+        result = known < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) table[4 * b + 3] = ids[b];
+    if ((mask = mask_for(&e, out, rows, words)) == NULL) {
+        if (PyErr_Occurred()) goto done;
+        goto decline;
+    }
+    valid = want_valid ? flags_for(&e, rows, n, nodes) : Py_NewRef(Py_None);
+    if (valid == NULL) goto done;
+    Py_buffer flags;
+    if (want_valid && get_flags(valid, &flags, rows) != 0) goto done;
+    Py_buffer rows_view;
+    if (get_buffer(mask, &rows_view, 1, 'i', 4, 2, "rows") != 0) {
+        if (want_valid) PyBuffer_Release(&flags);
+        goto done;
+    }
+    Py_buffer stop_view;
+    if (get_buffer(stops, &stop_view, 0, 'i', 8, 1, "stop_ids") != 0) {
+        PyBuffer_Release(&rows_view);
+        if (want_valid) PyBuffer_Release(&flags);
+        goto done;
+    }
+    matchers = matcher_args(table, n);
+    if (matchers != NULL) {
+        long long limit = vocab < known_vocab ? vocab : known_vocab;
+        Py_ssize_t checked = 0, rejected = 0, failed = -1;
+        char *error = NULL;
+        struct timespec began;
+        double seconds;
+        clock_gettime(CLOCK_MONOTONIC, &began);
+        Py_BEGIN_ALLOW_THREADS
+        failed = walk_tree_table((int32_t *)rows_view.buf, words, nt, ns, tok, table, n,
+                                 matchers, queue, seen, limit, (const int64_t *)stop_view.buf,
+                                 stop_view.shape[0], want_valid ? (uint8_t *)flags.buf : NULL,
+                                 times, &checked, &rejected, &error);
+        Py_END_ALLOW_THREADS
+        lap(&seconds, &began);
+        PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,
+                                                  rejected, threshold)
+                                    : Py_NewRef(Py_None);
+        if (slow != NULL) {
+            if (failed < 0)
+                result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-1, Py_None, slow);
+            else
+                result = Py_BuildValue("OOnsN", mask, valid, failed,
+                                       error != NULL ? error : "xgrammar failed", slow);
+        }
+        free(error);
+    }
+    PyBuffer_Release(&stop_view);
+    PyBuffer_Release(&rows_view);
+    if (want_valid) PyBuffer_Release(&flags);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(valid);
+    Py_XDECREF(mask);
+    PyMem_Free(matchers);
+    PyMem_Free(scratch);
+    PyMem_Free(table);
+    PyMem_Free(times);
+    PyMem_Free(ids);
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyObject *span_masks(PyObject *self, PyObject *args) {
     PyObject *env, *grammars, *tokens_obj, *offsets_obj, *vocab_obj, *out;
     Py_ssize_t width;
@@ -1843,6 +1982,10 @@ static PyMethodDef methods[] = {
      "span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold) "
      "-> (mask, valid, failed, message, slow) or None: a small build of chain trees (host int64 "
      "tokens) in one call, GIL released for the walk."},
+    {"tree_masks", tree_masks, METH_VARARGS,
+     "tree_masks(env, grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid, "
+     "threshold) -> (mask, valid, failed, message, slow) or None: a small build of trees (host "
+     "int64 [batch, nodes] arrays) in one call, GIL released for the walk."},
     {"chain_masks", chain_masks, METH_VARARGS,
      "chain_masks(env, grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
      "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None: "

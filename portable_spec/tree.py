@@ -410,6 +410,24 @@ class GrammarTree:
             return None
         return tokens
 
+    def host_tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Internal (the small-call path): the ``(next_token, next_sibling, draft)`` arrays of
+        a :meth:`from_host` tree as the caller gave them (or as resolved), for a compiled build
+        that reads them in place only when each is a C-contiguous int64 ``[batch, nodes]``
+        array (it checks). ``None`` for chain trees and trees staged from a device. Read them
+        only while the build that asked runs."""
+        if self._chain or self._packed:
+            return None
+        if self._arrays is not None:
+            return self._arrays
+        if len(self._staged) != 1:
+            return None
+        positions, staged = self._staged[0]
+        if type(staged) is not _Ready or positions != [0, 1, 2]:
+            return None
+        next_token, next_sibling, draft = staged._arrays
+        return next_token, next_sibling, draft
+
     def validate(self) -> None:
         """Resolve and check the links (once); raise ``ValueError`` naming the problem.
 

@@ -110,7 +110,8 @@ def build_host_bitmask(
     if not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     if reasoning is None and layout == "dense" and max_rows is None:
-        done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
+        small_build = small.small_chains if tree.is_chain or tree.is_packed else small.small_trees
+        done = small_build(grammars, tree, vocab_size, out, return_valid)
         if done is not None:
             return done
     vocab_size = check_vocab_size(vocab_size)

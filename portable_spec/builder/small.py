@@ -1,7 +1,9 @@
-"""The most common small build in one function: a few short chains of plain xgrammar matchers.
+"""The most common small builds in one function: a few short chains, or a small batch of
+verify trees, of plain xgrammar matchers.
 
-:func:`build_host_bitmask` tries :func:`small_chains` first for ``from_linear_chain`` trees
-without reasoning, dense layout. A batch-1 call in a serving engine starts with cold caches
+:func:`build_host_bitmask` tries :func:`small_chains` first for ``from_linear_chain`` and
+``from_packed_chains`` trees without reasoning, dense layout, and :func:`small_trees` for
+``from_host`` trees. A batch-1 call in a serving engine starts with cold caches
 (the model's forward pass evicts them between steps), so what it costs follows the number of
 Python lines and numpy calls it runs: this path checks only what it must (and gives up on
 anything unusual, ``None``: the general path then checks everything and raises what it must),
@@ -27,7 +29,7 @@ from portable_spec.pending import pending_builds
 from portable_spec.stats import note_slow
 from portable_spec.tree import GrammarTree
 
-__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "small_chains"]
+__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "small_chains", "small_trees"]
 
 # Up to this many chain requests take this path, each of at most jobs.INLINE_CHAIN_NODES nodes
 # (the chains short enough to stay on the calling thread).
@@ -64,6 +66,47 @@ def host_rows(out: Any, rows: int, words: int) -> np.ndarray | None:
     ):
         return out
     return None
+
+
+def small_trees(
+    grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
+) -> Any:
+    """:func:`small_chains` for verify trees (:meth:`GrammarTree.from_host` on C-contiguous
+    int64 ``[batch, nodes]`` arrays) of plain xgrammar matchers already probed at the model's
+    width, small enough for one thread: the link check, the matchers' facts, the outputs, the
+    walk, the repair and the counters in one compiled call (``tree_masks``). Returns what
+    :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is unusual
+    (bad links included; nothing written, no matcher moved): the general path then checks
+    everything and raises what it must."""
+    native = compiled.native
+    walk = getattr(native, "tree_masks", None)
+    batch, nodes = tree.batch, tree.nodes
+    if (
+        walk is None
+        or native is not compiled.bound_helper()
+        or type(grammars) is not list
+        or len(grammars) != batch
+        or nodes >= jobs.SPLIT_MIN_NODES
+        or batch * nodes >= jobs.CHAIN_TABLE_PARALLEL_ROWS
+        or pending_builds()
+    ):
+        return None
+    arrays = tree.host_tree_arrays()
+    if arrays is None:
+        return None
+    next_token, next_sibling, draft = arrays
+    done = walk(
+        compiled_env, grammars, next_token, next_sibling, draft, vocab_size, out, return_valid,
+        stats._threshold or -1.0,
+    )  # fmt: skip
+    if done is None:
+        return None
+    mask, valid, failed, message, slow = done
+    if failed >= 0:
+        raise MatcherError(failed, RuntimeError(message))
+    if slow:
+        note_slow(slow)
+    return (mask, valid) if return_valid else mask
 
 
 def small_chains(
