@@ -197,6 +197,25 @@ class GrammarTree:
         Same array conventions as :meth:`from_device`. Never blocks; a device array raises
         ``TypeError`` (use :meth:`from_device` for those).
         """
+        ndarray = np.ndarray
+        if (
+            type(retrieve_next_token) is ndarray
+            and type(retrieve_next_sibling) is ndarray
+            and type(draft_tokens) is ndarray
+        ):  # the common case: numpy arrays, taken as they are
+            shape = draft_tokens.shape
+            if (
+                len(shape) == 2
+                and shape[1] >= 1
+                and retrieve_next_token.shape == shape
+                and retrieve_next_sibling.shape == shape
+                and retrieve_next_token.dtype.kind in "iu"
+                and retrieve_next_sibling.dtype.kind in "iu"
+                and draft_tokens.dtype.kind in "iu"
+            ):
+                hosts = [retrieve_next_token, retrieve_next_sibling, draft_tokens]
+                return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], host_backend(),
+                           chain=False)  # fmt: skip
         hosts = []
         for name, array in zip(
             _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
