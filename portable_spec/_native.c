@@ -141,7 +141,8 @@
  *       span_masks for verify trees: the three arrays C-contiguous int64 [batch, nodes] of one
  *       shape, each request's links local to it. Links that do not form a tree (as
  *       links_valid decides) return None, nothing written: the general build says which.
- *       Every grammar a matcher of `facts` (no None). Rows [batch * nodes], `valid` bool
+ *       Every grammar None (unconstrained: all-allowed rows, every node a link reaches
+ *       accepted) or a matcher of `facts`, one at least. Rows [batch * nodes], `valid` bool
  *       [batch, nodes]; rows no link reaches are all-allowed and not accepted.
  *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
@@ -1696,6 +1697,23 @@ static int get_tree_arrays(PyObject *const *objs, Py_buffer *views) {
     return 0;
 }
 
+/* flags[v] = 1 for every node of one (valid) tree a link reaches from its root, else 0;
+   `queue` has room for n. No GIL needed. */
+static void reach(const int64_t *nt, const int64_t *ns, Py_ssize_t n, int32_t *queue,
+                  uint8_t *flags) {
+    memset(flags, 0, (size_t)n);
+    Py_ssize_t head = 0, tail = 0;
+    flags[0] = 1;
+    queue[tail++] = 0;
+    while (head < tail) {
+        int32_t v = queue[head++];
+        for (int64_t c = nt[v]; c != -1; c = ns[c]) {
+            flags[c] = 1;
+            queue[tail++] = (int32_t)c;
+        }
+    }
+}
+
 static PyObject *tree_masks(PyObject *self, PyObject *args) {
     PyObject *env, *grammars, *arrays[3], *vocab_obj, *out;
     int want_valid;
@@ -1738,7 +1756,7 @@ static PyObject *tree_masks(PyObject *self, PyObject *args) {
     PyObject *stops;
     long long known_vocab = 0;
     Py_ssize_t live;
-    int known = resolve_matchers(e.facts, gs, n, words, 0, ids, &stops, &known_vocab, &live);
+    int known = resolve_matchers(e.facts, gs, n, words, 1, ids, &stops, &known_vocab, &live);
     if (known <= 0) {
         result = known < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -1776,6 +1794,10 @@ static PyObject *tree_masks(PyObject *self, PyObject *args) {
                                  matchers, queue, seen, limit, (const int64_t *)stop_view.buf,
                                  stop_view.shape[0], want_valid ? (uint8_t *)flags.buf : NULL,
                                  times, &checked, &rejected, &error);
+        if (failed < 0 && want_valid && live < n) /* unconstrained: every node a link reaches */
+            for (Py_ssize_t b = 0; b < n; b++)
+                if (ids[b] == 0) reach(nt + b * nodes, ns + b * nodes, nodes, queue,
+                                       (uint8_t *)flags.buf + b * nodes);
         Py_END_ALLOW_THREADS
         lap(&seconds, &began);
         PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,

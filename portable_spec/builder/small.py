@@ -73,11 +73,11 @@ def small_trees(
 ) -> Any:
     """:func:`small_chains` for verify trees (:meth:`GrammarTree.from_host` on C-contiguous
     int64 ``[batch, nodes]`` arrays) of plain xgrammar matchers already probed at the model's
-    width, small enough for one thread: the link check, the matchers' facts, the outputs, the
-    walk, the repair and the counters in one compiled call (``tree_masks``). Returns what
-    :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is unusual
-    (bad links included; nothing written, no matcher moved): the general path then checks
-    everything and raises what it must."""
+    width and unconstrained requests (``None``), small enough for one thread: the link check,
+    the matchers' facts, the outputs, the walk, the repair and the counters in one compiled
+    call (``tree_masks``). Returns what :func:`portable_spec.build_host_bitmask` returns, or
+    ``None`` whenever anything is unusual (bad links included; nothing written, no matcher
+    moved): the general path then checks everything and raises what it must."""
     native = compiled.native
     walk = getattr(native, "tree_masks", None)
     batch, nodes = tree.batch, tree.nodes
