@@ -1678,6 +1678,110 @@ done:
     return result;
 }
 
+/* flags[v] = 1 for every node of one (valid) tree a link reaches from its root, else 0;
+   `queue` has room for n. No GIL needed. */
+static void reach(const int64_t *nt, const int64_t *ns, Py_ssize_t n, int32_t *queue,
+                  uint8_t *flags) {
+    memset(flags, 0, (size_t)n);
+    Py_ssize_t head = 0, tail = 0;
+    flags[0] = 1;
+    queue[tail++] = 0;
+    while (head < tail) {
+        int32_t v = queue[head++];
+        for (int64_t c = nt[v]; c != -1; c = ns[c]) {
+            flags[c] = 1;
+            queue[tail++] = (int32_t)c;
+        }
+    }
+}
+
+/* The part of the small builds (span_masks, tree_masks) after their own checks: the matchers'
+   facts (grammar None allowed with `none_ok`; their handles go to `ids` and the table's
+   fourth column), the mask and flags to write, the walk with the GIL released and the tally.
+   `table` holds every request's rows and tokens; `scratch` is the walk's: chains (tree 0) two [longest] int64 link arrays, trees (tree 1) an int32 queue and a
+   flag byte per node (`longest` nodes per tree). Returns the result tuple, None when a
+   matcher is not known or `out` does not fit (nothing written), or NULL with an error set. */
+typedef struct {
+    int tree;
+    int64_t *tok, *nt, *ns;
+    Py_ssize_t longest;
+    void *scratch;
+} SmallWalk;
+
+static PyObject *small_masks(const MaskEnv *e, PyObject *const *gs, int none_ok, PyObject *out,
+                             Py_ssize_t rows, Py_ssize_t words, Py_ssize_t n, Py_ssize_t width,
+                             int want_valid, int64_t *table, long long *ids, double *times,
+                             long long vocab, double threshold, const SmallWalk *w) {
+    PyObject *stops;
+    long long known_vocab = 0;
+    Py_ssize_t live;
+    int known = resolve_matchers(e->facts, gs, n, words, none_ok, ids, &stops, &known_vocab, &live);
+    if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
+    for (Py_ssize_t b = 0; b < n; b++) table[4 * b + 3] = ids[b];
+    long long limit = vocab < known_vocab ? vocab : known_vocab;
+    PyObject *mask = mask_for(e, out, rows, words), *valid = NULL, *result = NULL;
+    if (mask == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    valid = want_valid ? flags_for(e, rows, n, width) : Py_NewRef(Py_None);
+    if (valid == NULL) goto done;
+    Py_buffer flags, rows_view, stop_view;
+    if (want_valid && get_flags(valid, &flags, rows) != 0) goto done;
+    if (get_buffer(mask, &rows_view, 1, 'i', 4, 2, "rows") != 0) goto release_flags;
+    if (get_buffer(stops, &stop_view, 0, 'i', 8, 1, "stop_ids") != 0) goto release_rows;
+    FfiAny *matchers = matcher_args(table, n);
+    if (matchers != NULL) {
+        Py_ssize_t checked = 0, rejected = 0, failed = -1;
+        char *error = NULL;
+        uint8_t *accepted = want_valid ? (uint8_t *)flags.buf : NULL;
+        int32_t *mask_rows = (int32_t *)rows_view.buf;
+        const int64_t *stop = (const int64_t *)stop_view.buf;
+        struct timespec began;
+        double seconds;
+        clock_gettime(CLOCK_MONOTONIC, &began);
+        Py_BEGIN_ALLOW_THREADS
+        if (w->tree) {
+            int32_t *queue = (int32_t *)w->scratch;
+            uint8_t *keep = (uint8_t *)(queue + w->longest);
+            Py_ssize_t nodes = w->longest;
+            failed = walk_tree_table(mask_rows, words, w->nt, w->ns, w->tok, table, n, matchers,
+                                     queue, keep, limit, stop, stop_view.shape[0], accepted,
+                                     times, &checked, &rejected, &error);
+            if (failed < 0 && accepted != NULL && live < n) /* unconstrained: what links reach */
+                for (Py_ssize_t b = 0; b < n; b++)
+                    if (ids[b] == 0)
+                        reach(w->nt + b * nodes, w->ns + b * nodes, nodes, queue,
+                              accepted + b * nodes);
+        } else {
+            failed = walk_table(mask_rows, words, w->tok, table, n, matchers,
+                                (int64_t *)w->scratch, w->longest, limit, stop,
+                                stop_view.shape[0], 0, accepted, times, &checked, &rejected,
+                                &error);
+        }
+        Py_END_ALLOW_THREADS
+        lap(&seconds, &began);
+        PyObject *slow = failed < 0 ? count_build(e->tally, ids, times, n, rows, seconds, checked,
+                                                  rejected, threshold)
+                                    : Py_NewRef(Py_None);
+        if (slow != NULL) {
+            if (failed < 0)
+                result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-1, Py_None, slow);
+            else
+                result = Py_BuildValue("OOnsN", mask, valid, failed,
+                                       error != NULL ? error : "xgrammar failed", slow);
+        }
+        free(error);
+        PyMem_Free(matchers);
+    }
+    PyBuffer_Release(&stop_view);
+release_rows:
+    PyBuffer_Release(&rows_view);
+release_flags:
+    if (want_valid) PyBuffer_Release(&flags);
+done:
+    Py_XDECREF(valid);
+    Py_DECREF(mask);
+    return result;
+}
+
 /* tree_masks' three [batch, nodes] int64 arrays, held: 0 when they all are such arrays of one
    shape, else -1 with none held and no error set. */
 static int get_tree_arrays(PyObject *const *objs, Py_buffer *views) {
@@ -1695,23 +1799,6 @@ static int get_tree_arrays(PyObject *const *objs, Py_buffer *views) {
         }
     }
     return 0;
-}
-
-/* flags[v] = 1 for every node of one (valid) tree a link reaches from its root, else 0;
-   `queue` has room for n. No GIL needed. */
-static void reach(const int64_t *nt, const int64_t *ns, Py_ssize_t n, int32_t *queue,
-                  uint8_t *flags) {
-    memset(flags, 0, (size_t)n);
-    Py_ssize_t head = 0, tail = 0;
-    flags[0] = 1;
-    queue[tail++] = 0;
-    while (head < tail) {
-        int32_t v = queue[head++];
-        for (int64_t c = nt[v]; c != -1; c = ns[c]) {
-            flags[c] = 1;
-            queue[tail++] = (int32_t)c;
-        }
-    }
 }
 
 static PyObject *tree_masks(PyObject *self, PyObject *args) {
@@ -1733,13 +1820,12 @@ static PyObject *tree_masks(PyObject *self, PyObject *args) {
     Py_ssize_t rows = n * nodes;
     int64_t *nt = (int64_t *)views[0].buf, *ns = (int64_t *)views[1].buf;
     int64_t *tok = (int64_t *)views[2].buf;
-    PyObject *mask = NULL, *valid = NULL, *result = NULL;
+    PyObject *result = NULL;
     long long *ids = PyMem_Malloc(sizeof(long long) * (size_t)n);
     double *times = PyMem_Calloc((size_t)n, sizeof(double));
     int64_t *table = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)n);
     /* scratch of one tree: in-degrees and queue (int32), then flags (one byte each) */
     void *scratch = PyMem_Malloc((size_t)nodes * (2 * sizeof(int32_t) + 1));
-    FfiAny *matchers = NULL;
     if (ids == NULL || times == NULL || table == NULL || scratch == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -1753,75 +1839,13 @@ static PyObject *tree_masks(PyObject *self, PyObject *args) {
         table[4 * b] = table[4 * b + 1] = b * nodes;
         table[4 * b + 2] = nodes;
     }
-    PyObject *stops;
-    long long known_vocab = 0;
-    Py_ssize_t live;
-    int known = resolve_matchers(e.facts, gs, n, words, 1, ids, &stops, &known_vocab, &live);
-    if (known <= 0) {
-        result = known < 0 ? NULL : Py_NewRef(Py_None);
-        goto done;
-    }
-    for (Py_ssize_t b = 0; b < n; b++) table[4 * b + 3] = ids[b];
-    if ((mask = mask_for(&e, out, rows, words)) == NULL) {
-        if (PyErr_Occurred()) goto done;
-        goto decline;
-    }
-    valid = want_valid ? flags_for(&e, rows, n, nodes) : Py_NewRef(Py_None);
-    if (valid == NULL) goto done;
-    Py_buffer flags;
-    if (want_valid && get_flags(valid, &flags, rows) != 0) goto done;
-    Py_buffer rows_view;
-    if (get_buffer(mask, &rows_view, 1, 'i', 4, 2, "rows") != 0) {
-        if (want_valid) PyBuffer_Release(&flags);
-        goto done;
-    }
-    Py_buffer stop_view;
-    if (get_buffer(stops, &stop_view, 0, 'i', 8, 1, "stop_ids") != 0) {
-        PyBuffer_Release(&rows_view);
-        if (want_valid) PyBuffer_Release(&flags);
-        goto done;
-    }
-    matchers = matcher_args(table, n);
-    if (matchers != NULL) {
-        long long limit = vocab < known_vocab ? vocab : known_vocab;
-        Py_ssize_t checked = 0, rejected = 0, failed = -1;
-        char *error = NULL;
-        struct timespec began;
-        double seconds;
-        clock_gettime(CLOCK_MONOTONIC, &began);
-        Py_BEGIN_ALLOW_THREADS
-        failed = walk_tree_table((int32_t *)rows_view.buf, words, nt, ns, tok, table, n,
-                                 matchers, queue, seen, limit, (const int64_t *)stop_view.buf,
-                                 stop_view.shape[0], want_valid ? (uint8_t *)flags.buf : NULL,
-                                 times, &checked, &rejected, &error);
-        if (failed < 0 && want_valid && live < n) /* unconstrained: every node a link reaches */
-            for (Py_ssize_t b = 0; b < n; b++)
-                if (ids[b] == 0) reach(nt + b * nodes, ns + b * nodes, nodes, queue,
-                                       (uint8_t *)flags.buf + b * nodes);
-        Py_END_ALLOW_THREADS
-        lap(&seconds, &began);
-        PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,
-                                                  rejected, threshold)
-                                    : Py_NewRef(Py_None);
-        if (slow != NULL) {
-            if (failed < 0)
-                result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-1, Py_None, slow);
-            else
-                result = Py_BuildValue("OOnsN", mask, valid, failed,
-                                       error != NULL ? error : "xgrammar failed", slow);
-        }
-        free(error);
-    }
-    PyBuffer_Release(&stop_view);
-    PyBuffer_Release(&rows_view);
-    if (want_valid) PyBuffer_Release(&flags);
+    SmallWalk walk = {1, tok, nt, ns, nodes, scratch};
+    result = small_masks(&e, gs, 1, out, rows, words, n, nodes, want_valid, table, ids, times,
+                         vocab, threshold, &walk);
     goto done;
 decline:
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(valid);
-    Py_XDECREF(mask);
-    PyMem_Free(matchers);
     PyMem_Free(scratch);
     PyMem_Free(table);
     PyMem_Free(times);
@@ -1857,12 +1881,11 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
         PyBuffer_Release(&tokens);
         Py_RETURN_NONE;
     }
-    PyObject *mask = NULL, *valid = NULL, *result = NULL;
+    PyObject *result = NULL;
     long long *ids = PyMem_Malloc(sizeof(long long) * (size_t)n);
     double *times = PyMem_Calloc((size_t)n, sizeof(double));
     int64_t *table = PyMem_Malloc(sizeof(int64_t) * 4 * (size_t)n);
     int64_t *links = NULL;
-    FfiAny *matchers = NULL;
     if (ids == NULL || times == NULL || table == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -1883,75 +1906,18 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
         if (len > longest) longest = len;
     }
     if (rows != total) goto decline;
-    PyObject *stops;
-    long long known_vocab = 0;
-    Py_ssize_t live;
-    int known = resolve_matchers(e.facts, gs, n, words, 0, ids, &stops, &known_vocab, &live);
-    if (known <= 0) {
-        result = known < 0 ? NULL : Py_NewRef(Py_None);
+    if ((links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest)) == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t b = 0; b < n; b++) table[4 * b + 3] = ids[b];
-    if ((mask = mask_for(&e, out, rows, words)) == NULL) {
-        if (PyErr_Occurred()) goto done;
-        goto decline;
-    }
-    valid = want_valid ? flags_for(&e, rows, n, has_offsets ? 0 : width) : Py_NewRef(Py_None);
-    if (valid == NULL) goto done;
-    Py_buffer flags;
-    if (want_valid && get_flags(valid, &flags, rows) != 0) goto done;
-    Py_buffer rows_view;
-    if (get_buffer(mask, &rows_view, 1, 'i', 4, 2, "rows") != 0) {
-        if (want_valid) PyBuffer_Release(&flags);
-        goto done;
-    }
-    Py_buffer stop_view;
-    if (get_buffer(stops, &stop_view, 0, 'i', 8, 1, "stop_ids") != 0) {
-        PyBuffer_Release(&rows_view);
-        if (want_valid) PyBuffer_Release(&flags);
-        goto done;
-    }
-    matchers = matcher_args(table, n);
-    links = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)longest);
-    if (matchers == NULL || links == NULL) {
-        if (links == NULL && !PyErr_Occurred()) PyErr_NoMemory();
-    } else {
-        long long limit = vocab < known_vocab ? vocab : known_vocab;
-        Py_ssize_t checked = 0, rejected = 0, failed = -1;
-        char *error = NULL;
-        struct timespec began;
-        double seconds;
-        clock_gettime(CLOCK_MONOTONIC, &began);
-        Py_BEGIN_ALLOW_THREADS
-        failed = walk_table((int32_t *)rows_view.buf, words, (int64_t *)tokens.buf, table, n,
-                            matchers, links, longest, limit, (const int64_t *)stop_view.buf,
-                            stop_view.shape[0], 0, want_valid ? (uint8_t *)flags.buf : NULL,
-                            times, &checked, &rejected, &error);
-        Py_END_ALLOW_THREADS
-        lap(&seconds, &began);
-        PyObject *slow = failed < 0 ? count_build(e.tally, ids, times, n, rows, seconds, checked,
-                                                  rejected, threshold)
-                                    : Py_NewRef(Py_None);
-        if (slow != NULL) {
-            if (failed < 0)
-                result = Py_BuildValue("OOnON", mask, valid, (Py_ssize_t)-1, Py_None, slow);
-            else
-                result = Py_BuildValue("OOnsN", mask, valid, failed,
-                                       error != NULL ? error : "xgrammar failed", slow);
-        }
-        free(error);
-    }
-    PyBuffer_Release(&stop_view);
-    PyBuffer_Release(&rows_view);
-    if (want_valid) PyBuffer_Release(&flags);
+    SmallWalk walk = {0, (int64_t *)tokens.buf, NULL, NULL, longest, links};
+    result = small_masks(&e, gs, 0, out, rows, words, n, has_offsets ? 0 : width, want_valid,
+                         table, ids, times, vocab, threshold, &walk);
     goto done;
 decline:
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(valid);
-    Py_XDECREF(mask);
     PyMem_Free(links);
-    PyMem_Free(matchers);
     PyMem_Free(table);
     PyMem_Free(times);
     PyMem_Free(ids);

@@ -99,8 +99,13 @@ def small_trees(
         compiled_env, grammars, next_token, next_sibling, draft, vocab_size, out, return_valid,
         stats._threshold or -1.0,
     )  # fmt: skip
-    if done is None:
-        return None
+    return None if done is None else _compiled_result(done, return_valid)
+
+
+def _compiled_result(done: tuple[Any, ...], return_valid: bool) -> Any:
+    """What :func:`portable_spec.build_host_bitmask` returns from a compiled small build's
+    ``(mask, valid, failed, message, slow)``; raises :class:`MatcherError` for a refused
+    matcher and logs the slow walks."""
     mask, valid, failed, message, slow = done
     if failed >= 0:
         raise MatcherError(failed, RuntimeError(message))
@@ -148,12 +153,7 @@ def small_chains(
             stats._threshold or -1.0,
         )  # fmt: skip
         if done is not None:
-            mask, valid, failed, message, slow = done
-            if failed >= 0:
-                raise MatcherError(failed, RuntimeError(message))
-            if slow:
-                note_slow(slow)
-            return (mask, valid) if return_valid else mask
+            return _compiled_result(done, return_valid)
     words = (vocab_size + 31) >> 5
     infos = []
     for g in grammars:
