@@ -16,7 +16,7 @@ import numpy as np
 
 from portable_spec import native
 from portable_spec.backend import ArrayInfo, Backend, StagedArrays
-from portable_spec.registry import backend_for, get_backend, host_backend
+from portable_spec.registry import backend_for, host_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
 
 __all__ = ["GrammarTree", "as_int64", "host_array", "integer_info"]
@@ -197,40 +197,30 @@ class GrammarTree:
         Same array conventions as :meth:`from_device`. Never blocks; a device array raises
         ``TypeError`` (use :meth:`from_device` for those).
         """
+        arrays = (retrieve_next_token, retrieve_next_sibling, draft_tokens)
         ndarray = np.ndarray
         if (
             type(retrieve_next_token) is ndarray
             and type(retrieve_next_sibling) is ndarray
             and type(draft_tokens) is ndarray
         ):  # the common case: numpy arrays, taken as they are
-            shape = draft_tokens.shape
-            if (
-                len(shape) == 2
-                and shape[1] >= 1
-                and retrieve_next_token.shape == shape
-                and retrieve_next_sibling.shape == shape
-                and retrieve_next_token.dtype.kind in "iu"
-                and retrieve_next_sibling.dtype.kind in "iu"
-                and draft_tokens.dtype.kind in "iu"
-            ):
-                hosts = [retrieve_next_token, retrieve_next_sibling, draft_tokens]
-                return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], host_backend(),
-                           chain=False)  # fmt: skip
-        hosts = []
-        for name, array in zip(
-            _NAMES, (retrieve_next_token, retrieve_next_sibling, draft_tokens), strict=True
-        ):
-            hosts.append(host_array(name, array))
-        numpy_backend = get_backend("numpy")
-        shape = hosts[0].shape
+            hosts = list(arrays)
+        else:
+            hosts = [host_array(n, a) for n, a in zip(_NAMES, arrays, strict=True)]
+        next_token, next_sibling, draft = hosts
+        shape = draft.shape
         if not (
             len(shape) == 2
-            and all(h.shape == shape and h.dtype.kind in "iu" for h in hosts)
             and shape[1] >= 1
+            and next_token.shape == shape
+            and next_sibling.shape == shape
+            and next_token.dtype.kind in "iu"
+            and next_sibling.dtype.kind in "iu"
+            and draft.dtype.kind in "iu"
         ):  # the common case passes in a few attribute reads; anything else gets checked
-            infos = [_info(n, h, numpy_backend) for n, h in zip(_NAMES, hosts, strict=True)]
+            infos = [_info(n, h, host_backend()) for n, h in zip(_NAMES, hosts, strict=True)]
             shape = _check_shapes(infos, _NAMES)
-        return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], numpy_backend, chain=False)
+        return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], host_backend(), chain=False)
 
     @classmethod
     def from_linear_chain(cls, draft_tokens: Any) -> GrammarTree:
