@@ -46,12 +46,11 @@ _WRAPPER = "XgrammarGrammar"  # vLLM's xgrammar grammar class
 _wrapper_types: set[type] = set()  # classes of that name seen (one type test per request)
 
 # Per vLLM grammar wrapper (by id, dropped when the wrapper dies): its matcher, the matcher's
-# handle for the compiled helper (0: none), bitmask width and stop tokens (one array per
-# distinct stop set, so that "same stops" is an identity test). Read once per request
+# handle for the compiled helper (0: none), bitmask width and stop tokens (the probe's array,
+# one per distinct stop set, so that "same stops" is an identity test). Read once per request
 # instead of the library's per-matcher caches: inside the engine every object a call touches
 # is a cache miss.
 _known: dict[int, tuple[Any, int, int, np.ndarray, Any]] = {}
-_stop_arrays: dict[frozenset[int], np.ndarray] = {}
 
 
 def _learn(grammar: Any, matcher: Any) -> tuple[Any, int, int, np.ndarray, Any] | None:
@@ -60,14 +59,13 @@ def _learn(grammar: Any, matcher: Any) -> tuple[Any, int, int, np.ndarray, Any] 
     info = xgrammar_info(matcher)
     if info is None:
         return None
-    stops = _stop_arrays.setdefault(info.stop_set, info.stop_ids)
     key = id(grammar)
     try:
         # the callback runs while the wrapper is freed, before its id can be reused
         ref = weakref.ref(grammar, lambda _, key=key: _known.pop(key, None))
     except TypeError:  # no weak references: looked up again on every call
         ref = None
-    entry = (matcher, compiled.xgrammar_handle(matcher), info.words, stops, ref)
+    entry = (matcher, compiled.xgrammar_handle(matcher), info.words, info.stop_ids, ref)
     if ref is not None:
         _known[key] = entry
     return entry
