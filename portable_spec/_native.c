@@ -84,7 +84,7 @@
  *       (links_valid); they are still bounds-checked.
  *
  *   pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit,
- *               stop_ids, seconds, repeat]) -> (tokens, table, owners, walked) or None
+ *               stop_ids, seconds, repeat, plain]) -> (tokens, table, owners, walked) or None
  *       An engine's per-request draft lists (a list or tuple of lists or tuples of ints) made
  *       into walk_chains' input: `tokens` (bytes of int64, each request's root 0 then its
  *       drafts), `table` (bytes of int64 [chains, 4]) and `owners` (bytes of int64 [chains]:
@@ -98,11 +98,25 @@
  *       Writes those rows into `rows` (int32 [R, words], R the rows of every request) and
  *       their flags into `valid` (bool [R] or None). None, with nothing written, when a draft
  *       list, a draft (not an int, or outside int64), a handle or a flag is malformed, a
- *       chain does not fit its stride or R is not the rows of the requests.
+ *       chain does not fit its stride or R is not the rows of the requests, or (`plain`
+ *       true) a draft is negative: an engine's padding, which its caller lays out itself.
  *       With `limit` (and `stop_ids`, int64 [S]) the chains are walked and repaired in the
  *       same call, the GIL released, as walk_chains does (`repeat`: its rule); it then returns
  *       (checked, rejected, failed, message) like walk_chains, `failed` the request's index,
  *       and `seconds` (float64 [requests], when given) receives each walked request's time.
+ *
+ *   vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends)
+ *                 -> (used, (checked, rejected, failed, message), drafts) or None
+ *       vLLM's structured-output step (vLLM's own objects: its request dict, the ids, the
+ *       scheduled draft lists) walked as pack_chains does with `repeat` and `plain`, into
+ *       `rows[:R]` (int32 [capacity, words]; `used` is that view). Request i is
+ *       requests[ids[i]]; its grammar is `.structured_output_request._grammar`, an instance
+ *       of a type in `wrapper_types` (a set), and its matcher that grammar's `.matcher`;
+ *       `known` maps id(grammar) to (matcher, handle, words, stop_ids, weak reference).
+ *       `drafts` are the lists walked (an empty one for a request with none). None, nothing
+ *       written and no matcher moved, when anything differs: a missing attribute or entry,
+ *       another matcher, width or stop array, a handle of 0 or listed twice, padding, too
+ *       many rows.
  *
  *   chain_masks(env, grammars, drafts, rows_per_request, vocab_size, ends, active, out,
  *               want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra)
@@ -1200,7 +1214,7 @@ static void fill_rows(int32_t *mask, Py_ssize_t words, Py_ssize_t from, Py_ssize
 static PyObject *pack_walk(PyObject *drafts, PyObject *handles, Py_ssize_t stride, long long vocab,
                            PyObject *ends_obj, PyObject *active, PyObject *rows_obj,
                            PyObject *valid_obj, long long limit, PyObject *stops_obj,
-                           PyObject *seconds_obj, double *times_out, int repeat) {
+                           PyObject *seconds_obj, double *times_out, int repeat, int plain) {
     int walk = limit >= 0;
     if (walk && ffi_call == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
@@ -1243,8 +1257,8 @@ static PyObject *pack_walk(PyObject *drafts, PyObject *handles, Py_ssize_t strid
         for (Py_ssize_t j = 0; j < k; j++) {
             if (!PyLong_CheckExact(items[j])) goto decline;
             int overflow = 0;
-            PyLong_AsLongLongAndOverflow(items[j], &overflow);
-            if (overflow) goto decline;
+            long long value = PyLong_AsLongLongAndOverflow(items[j], &overflow);
+            if (overflow || (plain && value < 0)) goto decline;
         }
         ntokens += k + 1;
         total += stride ? stride : k + 1;
@@ -1363,13 +1377,13 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
     PyObject *stops_obj = Py_None, *seconds_obj = Py_None;
     Py_ssize_t stride;
     long long vocab, limit = -1;
-    int repeat = 0;
-    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOOi", &drafts, &handles, &stride, &vocab, &ends_obj,
+    int repeat = 0, plain = 0;
+    if (!PyArg_ParseTuple(args, "OOnLOOOO|LOOip", &drafts, &handles, &stride, &vocab, &ends_obj,
                           &active, &rows_obj, &valid_obj, &limit, &stops_obj, &seconds_obj,
-                          &repeat))
+                          &repeat, &plain))
         return NULL;
     return pack_walk(drafts, handles, stride, vocab, ends_obj, active, rows_obj, valid_obj, limit,
-                     stops_obj, seconds_obj, NULL, repeat);
+                     stops_obj, seconds_obj, NULL, repeat, plain);
 }
 
 /* The facts entry of matcher `g` (a borrowed 5-tuple: weak reference, handle, words,
@@ -1409,6 +1423,128 @@ static PyObject *matcher_facts(PyObject *facts, PyObject *g) {
 static int compare_addresses(const void *a, const void *b) {
     uintptr_t x = *(const uintptr_t *)a, y = *(const uintptr_t *)b;
     return (x > y) - (x < y);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* vllm_chains: the vLLM plugin's common step read straight from vLLM's objects. See the
+   module comment. */
+
+static PyObject *attr_name(PyObject **cache, const char *name) {
+    if (*cache == NULL) *cache = PyUnicode_InternFromString(name);
+    return *cache;
+}
+
+static PyObject *vllm_chains(PyObject *self, PyObject *args) {
+    PyObject *requests, *ids, *spec, *known, *wrappers, *buffer, *no_ends;
+    Py_ssize_t stride;
+    if (!PyArg_ParseTuple(args, "OOOO!O!OnO", &requests, &ids, &spec, &PyDict_Type, &known,
+                          &PySet_Type, &wrappers, &buffer, &stride, &no_ends))
+        return NULL;
+    static PyObject *s_request = NULL, *s_grammar = NULL, *s_matcher = NULL;
+    if (attr_name(&s_request, "structured_output_request") == NULL ||
+        attr_name(&s_grammar, "_grammar") == NULL || attr_name(&s_matcher, "matcher") == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(requests) || !PyList_CheckExact(ids) || !PyDict_CheckExact(spec))
+        Py_RETURN_NONE;
+    Py_buffer view;
+    if (get_buffer(buffer, &view, 1, 'i', 4, 2, "rows") != 0) return NULL;
+    Py_ssize_t capacity = view.shape[0], words = view.shape[1];
+    PyBuffer_Release(&view);
+    Py_ssize_t n = PyList_GET_SIZE(ids), total = 0;
+    PyObject *drafts = PyList_New(n), *handles = PyList_New(n), *matchers = PyList_New(n);
+    PyObject *common = NULL, *result = NULL, *out = NULL, *walked = NULL;
+    uintptr_t *seen = PyMem_Malloc(sizeof(uintptr_t) * (size_t)(n > 0 ? n : 1));
+    if (drafts == NULL || handles == NULL || matchers == NULL || seen == NULL) {
+        if (seen == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) {
+        if (b >= PyList_GET_SIZE(ids)) goto decline; /* changed by an attribute read */
+        PyObject *id = PyList_GET_ITEM(ids, b);
+        if (!PyUnicode_CheckExact(id)) goto decline; /* so that no lookup runs Python code */
+        PyObject *tokens = PyDict_GetItemWithError(spec, id);
+        if (tokens == NULL && PyErr_Occurred()) goto decline;
+        if (tokens == NULL || tokens == Py_None) { /* no drafts: the root row only */
+            tokens = PyList_New(0);
+            if (tokens == NULL) goto done;
+        } else {
+            Py_INCREF(tokens);
+        }
+        PyList_SET_ITEM(drafts, b, tokens);
+        PyObject *request = PyDict_GetItemWithError(requests, id);
+        if (request == NULL) goto decline;
+        Py_INCREF(request); /* the attribute reads may run Python code */
+        PyObject *held = PyObject_GetAttr(request, s_request);
+        Py_DECREF(request);
+        if (held == NULL) goto decline;
+        PyObject *grammar = PyObject_GetAttr(held, s_grammar);
+        Py_DECREF(held);
+        if (grammar == NULL) goto decline;
+        if (PySet_Contains(wrappers, (PyObject *)Py_TYPE(grammar)) != 1) {
+            Py_DECREF(grammar);
+            goto decline;
+        }
+        PyObject *matcher = PyObject_GetAttr(grammar, s_matcher);
+        PyObject *key = PyLong_FromVoidPtr(grammar);
+        Py_DECREF(grammar);
+        if (matcher == NULL || key == NULL) {
+            Py_XDECREF(matcher);
+            Py_XDECREF(key);
+            goto decline;
+        }
+        PyList_SET_ITEM(matchers, b, matcher); /* held until the walk is over */
+        PyObject *entry = PyDict_GetItemWithError(known, key);
+        Py_DECREF(key);
+        /* (matcher, handle, words, stop_ids, weak reference), made by the Python side */
+        if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
+            PyTuple_GET_ITEM(entry, 0) != matcher)
+            goto decline;
+        PyObject *handle = PyTuple_GET_ITEM(entry, 1), *stop = PyTuple_GET_ITEM(entry, 3);
+        if (!PyLong_CheckExact(handle) || PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2)) != words)
+            goto decline;
+        seen[b] = (uintptr_t)PyLong_AsVoidPtr(handle);
+        if (seen[b] == 0 || (common != NULL && stop != common)) goto decline;
+        if (common == NULL) common = Py_NewRef(stop);
+        Py_INCREF(handle);
+        PyList_SET_ITEM(handles, b, handle);
+        Py_ssize_t k = PyObject_Length(tokens);
+        if (k < 0) goto decline;
+        total += stride ? stride : k + 1;
+    }
+    if (PyErr_Occurred()) goto decline;
+    qsort(seen, (size_t)n, sizeof(uintptr_t), compare_addresses);
+    for (Py_ssize_t b = 1; b < n; b++)
+        if (seen[b] == seen[b - 1]) goto decline; /* a matcher listed twice */
+    if (n == 0 || total > capacity) goto decline;
+    PyObject *stop_at = PyLong_FromSsize_t(total);
+    PyObject *slice = stop_at == NULL ? NULL : PySlice_New(NULL, stop_at, NULL);
+    Py_XDECREF(stop_at);
+    if (slice == NULL) goto done;
+    out = PyObject_GetItem(buffer, slice);
+    Py_DECREF(slice);
+    if (out == NULL) goto done;
+    long long limit = (long long)words * 32;
+    walked = pack_walk(drafts, handles, stride, limit, no_ends, Py_None, out, Py_None, limit,
+                       common, Py_None, NULL, 1, 1);
+    if (walked == NULL || walked == Py_None) {
+        result = walked;
+        walked = NULL;
+        goto done;
+    }
+    result = PyTuple_Pack(3, out, walked, drafts);
+    goto done;
+decline:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(seen);
+    Py_XDECREF(common);
+    Py_XDECREF(walked);
+    Py_XDECREF(out);
+    Py_XDECREF(matchers);
+    Py_XDECREF(handles);
+    Py_XDECREF(drafts);
+    return result;
 }
 
 /* Whether `out` is an `ndarray` (exactly that type) the rows can be written into: native
@@ -1638,7 +1774,7 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
     long long limit = vocab < known_vocab ? vocab : known_vocab;
     if (max_rows > 0 && rows >= max_rows && live > 1) { /* walked in parts by the caller */
         PyObject *packed = pack_walk(drafts, handles, stride, vocab, ends_obj, active, mask, valid,
-                                     -1, Py_None, Py_None, NULL, 0);
+                                     -1, Py_None, Py_None, NULL, 0, 0);
         if (packed == NULL || packed == Py_None) {
             result = packed;
             goto done;
@@ -1650,7 +1786,7 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
     struct timespec began;
     clock_gettime(CLOCK_MONOTONIC, &began);
     PyObject *walked = pack_walk(drafts, handles, stride, vocab, ends_obj, active, mask, valid,
-                                 limit, stops, Py_None, times, 0);
+                                 limit, stops, Py_None, times, 0, 0);
     if (walked == NULL || walked == Py_None) {
         result = walked;
         goto done;
@@ -1962,10 +2098,15 @@ static PyMethodDef methods[] = {
      "one call, GIL released."},
     {"pack_chains", pack_chains, METH_VARARGS,
      "pack_chains(drafts, handles, stride, vocab_size, ends, active, rows, valid[, limit, "
-     "stop_ids, seconds, repeat]) -> (tokens, table, owners, walked), (checked, rejected, failed, "
+     "stop_ids, seconds, repeat, plain]) -> (tokens, table, owners, walked), (checked, rejected, "
+     "failed, "
      "message) with `limit`, or None: per-request draft lists as walk_chains' table, the rows "
      "no grammar walks written; with `limit`, walked and repaired in the same call (GIL "
      "released)."},
+    {"vllm_chains", vllm_chains, METH_VARARGS,
+     "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends) -> "
+     "(rows used, (checked, rejected, failed, message), drafts) or None: the vLLM plugin's "
+     "common step read from vLLM's objects, walked and repaired (GIL released)."},
     {"span_masks", span_masks, METH_VARARGS,
      "span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold) "
      "-> (mask, valid, failed, message, slow) or None: a small build of chain trees (host int64 "

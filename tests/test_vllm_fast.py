@@ -37,6 +37,23 @@ class XgrammarGrammar:
         return self.matcher.is_terminated()
 
 
+class StructuredOutputRequest:
+    """vLLM's per-request structured-output state as the plugin reads it: the grammar in
+    ``_grammar``, behind a ``grammar`` property (vLLM's resolves a pending compilation)."""
+
+    def __init__(self, grammar):
+        self._grammar = grammar
+
+    @property
+    def grammar(self):
+        return self._grammar
+
+
+def _held(grammar):
+    """A request as vLLM's scheduler holds it, with ``grammar``."""
+    return SimpleNamespace(structured_output_request=StructuredOutputRequest(grammar))
+
+
 class _Tensor:
     """vLLM's bitmask tensor as the plugin reads it (``numpy()``)."""
 
@@ -55,7 +72,8 @@ def _manager(words, reasoner=None):
             scheduler_config=SimpleNamespace(max_num_seqs=8),
         ),
         backend=SimpleNamespace(
-            allocate_token_bitmask=lambda n: _Tensor(np.zeros((n, words), dtype=np.int32))
+            # 7 is no row the build writes: every row a call returns must be written by it
+            allocate_token_bitmask=lambda n: _Tensor(np.full((n, words), 7, dtype=np.int32))
         ),
         _grammar_bitmask=None,
         enable_in_reasoning=False,
@@ -137,9 +155,7 @@ def _step(rng, vocab, batch, kinds=("valid", "valid", "refused", "eos", "done"))
             assert matcher.accept_token(vocab.eos) and matcher.is_terminated()
             oracle = None
         rid = f"r{i}"
-        requests[rid] = SimpleNamespace(
-            structured_output_request=SimpleNamespace(grammar=XgrammarGrammar(matcher))
-        )
+        requests[rid] = _held(XgrammarGrammar(matcher))
         if drafts or rng.random() < 0.5:
             spec[rid] = drafts
         n = len(drafts) + 1
@@ -178,8 +194,17 @@ def _walks(monkeypatch, direct):
             calls.append(len(args[0]))
         return pack(*args)
 
+    read = compiled.native.vllm_chains
+
+    def read_spy(*args):  # vLLM's objects read and walked in one call (when it takes the step)
+        result = read(*args)
+        if result is not None:
+            calls.append(("read", len(args[1])))
+        return result
+
     monkeypatch.setattr(compiled.native, "walk_chains", spy)
     monkeypatch.setattr(compiled.native, "pack_chains", pack_spy)
+    monkeypatch.setattr(compiled.native, "vllm_chains", read_spy)
     if not direct:
         monkeypatch.setattr(compiled, "xgrammar_handle", lambda matcher: 0)
     elif not compiled.xgrammar_handle(Request(xgr_any_grammar()).fresh()):
@@ -218,34 +243,36 @@ def test_common_steps_match_replay(smollm2, layout, walk, monkeypatch):
         requests, spec, expected = _step(rng, vocab, batch)
         manager = _manager(vocab.words)
         ids = list(requests)
-        # the first call learns each matcher's width (the checked path); the second is fast
-        plugin._build_or_none(manager, requests, ids, spec, layout=layout)
-        before = _state(requests, vocab)
-        manager._grammar_bitmask.numpy()[:] = 7  # every row must be written again
-        walks.clear()
-        out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
-        assert taken[-1]
-        live = sum(
-            not r.structured_output_request.grammar.is_terminated() for r in requests.values()
-        )
-        if walk == "one_call" and live:
-            assert walks == [batch]  # one call, one chain per request
-        else:
-            assert walks == []
-        after = _state(requests, vocab)
-        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
-            assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
-        row, unwritten = 0, []
-        for rows in expected:
-            np.testing.assert_array_equal(out[row : row + len(rows)], rows)
-            row += len(rows)
-            if layout == "strided":
-                tail = K + 1 - len(rows)
-                assert (out[row : row + tail] == -1).all()
-                unwritten.extend(range(row, row + tail))
-                row += tail
-        assert len(out) == row
-        assert manager._portable_spec_unwritten == unwritten
+        # the first call learns each matcher's facts (its width probed); the next ones read
+        # vLLM's objects in compiled code
+        for step in ("learns", "steady", "steady"):
+            before = _state(requests, vocab)
+            if manager._grammar_bitmask is not None:
+                manager._grammar_bitmask.numpy()[:] = 7  # every row must be written again
+            walks.clear()
+            out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+            assert taken[-1]
+            if walk == "per_request":
+                assert walks == []
+            elif step == "learns":
+                # one call, one chain per request (it asks each matcher whether it has ended)
+                assert walks == [batch]
+            else:
+                assert walks == [("read", batch)]
+            after = _state(requests, vocab)
+            for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+                assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
+            row, unwritten = 0, []
+            for rows in expected:
+                np.testing.assert_array_equal(out[row : row + len(rows)], rows)
+                row += len(rows)
+                if layout == "strided":
+                    tail = K + 1 - len(rows)
+                    assert (out[row : row + tail] == -1).all()
+                    unwritten.extend(range(row, row + tail))
+                    row += tail
+            assert len(out) == row
+            assert manager._portable_spec_unwritten == unwritten
 
 
 def test_one_matcher_without_handle_walks_each_request(smollm2, monkeypatch):
@@ -307,13 +334,16 @@ def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, 
         assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
 
 
-def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, monkeypatch):
-    """Padding, a reasoning parser, a matcher listed twice, a matcher the library never saw,
-    another backend: the one-function path returns None and no matcher has moved; the
-    checked path then builds the step."""
+@pytest.mark.parametrize("walk", ["one_call", "per_request"])
+def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, walk, monkeypatch):
+    """Padding, a chain longer than the strided layout's rows, a reasoning parser, a matcher
+    listed twice, another backend: the one-function path returns None and no matcher has
+    moved; the checked path then builds the step."""
     vocab = smollm2
+    _walks(monkeypatch, walk == "one_call")
     rng = random.Random("fast/unusual")
     requests, spec, _ = _step(rng, vocab, 3, kinds=("valid",))
+    spec = {rid: spec.get(rid) or [vocab.tokens.index("{")] for rid in requests}
     ids = list(requests)
     manager = _manager(vocab.words)
     plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
@@ -322,16 +352,14 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, mon
 
     before = _state(requests, vocab)
     cases = []
-    padded = dict(spec, r2=[*spec.get("r2", [])[:1], -1])
+    padded = dict(spec, r2=[*spec["r2"][:1], -1])
     cases.append((manager, requests, ids, padded))
+    cases.append((manager, requests, ids, dict(spec, r0=[-1, *spec["r0"]])))
     reasoning = _manager(vocab.words, reasoner=object)
     reasoning._grammar_bitmask = manager._grammar_bitmask
     cases.append((reasoning, requests, ids, spec))
     twice = dict(requests, r3=requests["r0"])
     cases.append((manager, twice, [*ids, "r3"], spec))
-    unseen = dict(requests, r1=SimpleNamespace(structured_output_request=SimpleNamespace(
-        grammar=XgrammarGrammar(Request(vocab.grammars["regex"]).fresh()))))  # fmt: skip
-    cases.append((manager, unseen, ids, spec))
     other = dict(requests, r1=SimpleNamespace(structured_output_request=SimpleNamespace(
         grammar=SimpleNamespace(matcher=requests["r1"].structured_output_request.grammar.matcher))))  # fmt: skip
     cases.append((manager, other, ids, spec))
@@ -339,6 +367,17 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, mon
         buffer[:] = 7
         assert plugin.fast_rows(case[0], case[1], case[2], case[3], None, buffer) is None
         assert (buffer == 7).all()
+    # strided rows of 1 + 1 per request: every chain fits them, then one is a draft longer
+    fits = {rid: tokens[:1] for rid, tokens in spec.items()}
+    longer = dict(fits, r1=fits["r1"] * 2)
+    for drafts, taken in ((fits, True), (longer, False)):
+        buffer[:] = 7
+        written = plugin.fast_rows(manager, requests, ids, drafts, 1, buffer)
+        assert (written is not None) == taken
+        assert taken or (buffer == 7).all()
+        after = _state(requests, vocab)
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
         after = _state(requests, vocab)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))

@@ -4,23 +4,26 @@ reasoning parser, no ``-1`` padding.
 vLLM's rows for such a step are each request's chain (its root row, then one row per draft),
 back to back (0.32) or at a stride of ``K + 1`` rows (0.33, the rows past a request's chain
 all-allowed). A draft the grammar refuses repeats the row before it on every later row of the
-request, as vLLM's own loop does; a request whose grammar vLLM's wrapper reports terminated
-gets all-allowed rows.
+request, as vLLM's own loop does; a request whose grammar is terminated gets all-allowed rows
+(the matcher is asked: vLLM's wrapper keeps its ``is_terminated`` flag equal to the matcher's
+after every accept and rollback, and asking the wrapper would cost a Python call per request).
 
-When the compiled helper can call xgrammar's matcher methods itself
-(:func:`portable_spec.native.xgrammar_handle`) and the requests share their stop tokens, the
-whole step is one compiled call with the GIL released: each chain asked ``is_terminated``,
-walked by ``traverse_draft_tree`` straight into vLLM's buffer and repaired. Otherwise each
-request is walked through xgrammar's Python binding and the batch repaired in one call. Inside
-the engine each call starts with cold caches (the forward pass evicts them), so the cost of a
-call follows the Python it runs: no tree object, no plan, no classification.
+In the steady state (every request's grammar seen before, each matcher's handle usable by the
+compiled helper, see :func:`portable_spec.native.xgrammar_handle`, one set of stop tokens) the
+whole step is one compiled call: it reads vLLM's own objects (the request dict, each request's
+``structured_output_request._grammar`` and its ``matcher``, the draft lists), then with the
+GIL released asks each matcher ``is_terminated``, walks its chain by ``traverse_draft_tree``
+straight into vLLM's buffer and repairs it. Inside the engine each call starts with cold
+caches (the forward pass evicts them), and every Python line costs about a microsecond there.
 
-Anything unusual (another backend, a matcher never probed by the library or of another
-width, a matcher listed twice, padding, a reasoning parser, a chain longer than the layout
-allows, a build of the library pending) returns ``None`` before any matcher moves: the
-plugin's checked path then takes the step. A matcher xgrammar refuses raises
-:class:`portable_spec.MatcherError` naming the request (the plugin's checked path then takes
-the step and reports it).
+Otherwise the same step runs in Python: a grammar seen for the first time is learnt (its
+matcher probed, which does not move it), matchers without a handle are walked through
+xgrammar's Python binding and the batch repaired in one call. Anything unusual (another
+backend, a matcher of another width, a matcher listed twice, padding, a reasoning parser, a
+chain longer than the layout allows, a build of the library pending) returns ``None`` before
+any matcher moves: the plugin's checked path then takes the step. A matcher xgrammar refuses
+raises :class:`portable_spec.MatcherError` naming the request (the plugin's checked path then
+takes the step and reports it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 
 from portable_spec import native as compiled
 from portable_spec.builder.small import chain_links
-from portable_spec.engines.xgrammar import xgrammar_info
+from portable_spec.engines.xgrammar import probe_xgrammar
 from portable_spec.errors import MatcherError
 from portable_spec.pending import pending_builds
 
@@ -49,16 +52,15 @@ _wrapper_types: set[type] = set()  # classes of that name seen (one type test pe
 # handle for the compiled helper (0: none), bitmask width and stop tokens (the probe's array,
 # one per distinct stop set, so that "same stops" is an identity test). Read once per request
 # instead of the library's per-matcher caches: inside the engine every object a call touches
-# is a cache miss.
+# is a cache miss. The compiled step (`vllm_chains`) reads these entries as they are.
 _known: dict[int, tuple[Any, int, int, np.ndarray, Any]] = {}
 
 
-def _learn(grammar: Any, matcher: Any) -> tuple[Any, int, int, np.ndarray, Any] | None:
-    """The entry of ``_known`` for ``grammar`` (made now), or None when the library never
-    probed its matcher (nothing is called on the matcher)."""
-    info = xgrammar_info(matcher)
-    if info is None:
-        return None
+def _learn(grammar: Any, matcher: Any, words: int) -> tuple[Any, int, int, np.ndarray, Any]:
+    """The entry of ``_known`` for ``grammar`` (made now; the matcher probed at the width of
+    ``words`` int32 words when the library has not seen it yet, which does not move it).
+    Raises what :func:`portable_spec.engines.xgrammar.probe_xgrammar` raises."""
+    info = probe_xgrammar(matcher, words)
     key = id(grammar)
     try:
         # the callback runs while the wrapper is freed, before its id can be reused
@@ -102,82 +104,93 @@ def fast_rows(
     vLLM never reads). Raises :class:`portable_spec.MatcherError` (``request_index``: the
     request's position in ``ids``) when xgrammar refuses a walk; rows may then be written."""
     native = compiled.native
-    if native is None or not hasattr(native, "repair_chains") or pending_builds():
+    if not ids or native is None or not hasattr(native, "repair_chains") or pending_builds():
         return None
     if may_reason(manager):
         return None
+    stride = 0 if stride_k is None else stride_k + 1
+    if native is compiled.bound_helper() and hasattr(native, "vllm_chains"):
+        # the steady state: every request's facts known, read and walked in one compiled call
+        step = native.vllm_chains(
+            requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS
+        )
+        if step is not None:
+            out, (_, _, failed, message), drafts = step
+            if failed >= 0:
+                raise MatcherError(failed, RuntimeError(message))
+            manager._portable_spec_unwritten = _unwritten(drafts, stride)
+            return out
     words = buffer.shape[1]
     known = _known
     wrappers = _wrapper_types
     drafts: list[list[int]] = []  # per request: its drafts (the root is implied)
-    handles: list[int] = []  # per request: its matcher's handle, 0 when terminated
-    matchers: list[Any] = []  # per request: the matcher to walk, None when terminated
-    stops: list[np.ndarray] = []  # per live request: its stop tokens
-    direct = native is compiled.bound_helper()  # so far every live matcher has a handle
-    common = None  # the live requests' stop tokens while they agree
+    handles: list[int] = []  # per request: its matcher's handle for the compiled helper
+    matchers: list[Any] = []  # per request: its matcher
+    stops: list[np.ndarray] = []  # per request: its stop tokens
+    direct = native is compiled.bound_helper()  # the helper that made the handles
+    common = None  # the requests' stop tokens while they agree
     same_stops = True
-    stride = 0 if stride_k is None else stride_k + 1
-    longest = row = 0
+    tokens_total = 0
     for req_id in ids:
-        grammar = requests[req_id].structured_output_request.grammar
+        held = requests[req_id].structured_output_request
+        try:
+            # the field behind vLLM's ``grammar`` property, which only resolves a Future
+            grammar = held._grammar
+        except AttributeError:
+            grammar = None
         kind = type(grammar)
         if kind not in wrappers:
-            if kind.__name__ != _WRAPPER:
-                return None
-            wrappers.add(kind)
-        tokens = spec.get(req_id) or _NO_DRAFTS
-        if tokens and min(tokens) < 0:
-            return None  # padding: the checked path splits the request
-        if grammar.is_terminated():
-            matcher, handle = None, 0  # all-allowed rows, the matcher not called
-        else:
-            matcher = grammar.matcher
-            entry = known.get(id(grammar))
-            if entry is None or entry[0] is not matcher:
-                entry = _learn(grammar, matcher)
-                if entry is None:
-                    return None  # first sight of this matcher: the checked path probes it
-            _, handle, width, stop, _ = entry
-            if width != words:
-                return None
-            if stop is not common:
-                same_stops = common is None
-                common = stop
-            direct = direct and handle != 0
-            stops.append(stop)
+            grammar = held.grammar
+            kind = type(grammar)
+            if kind not in wrappers:
+                if kind.__name__ != _WRAPPER:
+                    return None
+                wrappers.add(kind)
+        # Terminated requests are walked too: the compiled walk asks the matcher (whose
+        # state vLLM's wrapper mirrors) and writes their rows all-allowed.
+        matcher = grammar.matcher
+        entry = known.get(id(grammar))
+        if entry is None or entry[0] is not matcher:
+            entry = _learn(grammar, matcher, words)
+        _, handle, width, stop, _ = entry
+        if width != words:
+            return None
+        if stop is not common:
+            same_stops = common is None
+            common = stop
+        stops.append(stop)
         matchers.append(matcher)
         handles.append(handle)
+        tokens = spec.get(req_id) or _NO_DRAFTS
         drafts.append(tokens)
-        nodes = len(tokens) + 1
-        longest = max(longest, nodes)
-        row += stride or nodes
-    if len(stops) > 1 and len({id(m) for m in matchers if m is not None}) != len(stops):
+        tokens_total += len(tokens)
+    n = len(drafts)
+    direct = direct and 0 not in handles
+    if n > 1 and len(set(handles) if direct else {id(m) for m in matchers}) != n:
         return None  # a matcher listed twice
-    if stride and longest > stride:
-        return None  # a chain longer than the layout's K + 1 rows
-    total = row
+    total = n * stride if stride else tokens_total + n
     if total > buffer.shape[0]:
         return None
     out = buffer[:total]
-    unwritten: list[int] = []
-    if stride:
-        for c, tokens in enumerate(drafts):
-            first, length = c * stride, len(tokens) + 1
-            if length < stride:
-                unwritten.extend(range(first + length, first + stride))
     limit = words * 32
-    if direct and stops and same_stops:
-        # read, walked and repaired in one compiled call (padding rows of the strided
-        # layout written all-allowed by it); terminated requests' rows all-allowed
+    if direct and same_stops:
+        # read, walked and repaired in one compiled call, which declines padding (negative
+        # drafts) and chains longer than the stride before any matcher moves; the strided
+        # layout's rows past a chain are written all-allowed
         done = native.pack_chains(
-            drafts, handles, stride, limit, _NO_STOPS, None, out, None, limit, common, None, 1
+            drafts, handles, stride, limit, _NO_STOPS, None, out, None, limit, common, None, 1, 1
         )
         if done is None:
-            return None  # a draft that is not a plain int: the checked path reads it
+            return None  # padding, a chain too long, a draft that is not a plain int
         _, _, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
+        unwritten = _unwritten(drafts, stride)
     else:
+        for tokens in drafts:
+            if tokens and (min(tokens) < 0 or (stride and len(tokens) >= stride)):
+                return None  # padding (the checked path splits the request), or too long
+        unwritten = _unwritten(drafts, stride)
         flat: list[int] = []  # chains back to back, root (0) first
         spans: list[int] = []  # per request: first row, first token, nodes, live (later)
         pos = 0
@@ -191,9 +204,22 @@ def fast_rows(
             out[unwritten] = -1
         draft = np.array(flat, dtype=np.int64)
         table = np.array(spans, dtype=np.int64).reshape(len(drafts), 4)
-        _walk_each(native, matchers, stops, out, draft, table, limit, same_stops)
+        _walk_each(
+            native, matchers, stops, out, draft, table, limit, common if same_stops else None
+        )
     manager._portable_spec_unwritten = unwritten
     return out
+
+
+def _unwritten(drafts: list[list[int]], stride: int) -> list[int]:
+    """The strided layout's rows past each request's chain (none for packed rows)."""
+    unwritten: list[int] = []
+    if stride:
+        for c, tokens in enumerate(drafts):
+            first, length = c * stride, len(tokens) + 1
+            if length < stride:
+                unwritten.extend(range(first + length, first + stride))
+    return unwritten
 
 
 def _walk_each(
@@ -204,14 +230,15 @@ def _walk_each(
     draft: np.ndarray,
     table: np.ndarray,
     limit: int,
-    same_stops: bool,
+    common: np.ndarray | None,
 ) -> None:
     """Each live request walked through xgrammar's Python binding into its rows of ``out``,
-    then the batch repaired in one compiled call (one call per request when the stop tokens
-    differ). ``table`` is fast_rows' spans; its fourth column becomes the live flag."""
+    then the batch repaired in one compiled call with ``common`` stop tokens (one call per
+    request with its own when ``common`` is None). ``table`` is fast_rows' spans; its fourth
+    column becomes the live flag."""
     table[:, 3] = 0
     for c, matcher in enumerate(matchers):
-        if matcher is None or matcher.is_terminated():
+        if matcher.is_terminated():
             continue
         row, pos, nodes, _ = table[c].tolist()
         next_token, next_sibling = chain_links(nodes)
@@ -222,10 +249,8 @@ def _walk_each(
         except Exception as exc:
             raise MatcherError(c, exc) from exc
         table[c, 3] = 1
-    if same_stops:
-        native.repair_chains(out, draft, table, limit, stops[0] if stops else _NO_STOPS, 1)
+    if common is not None:
+        native.repair_chains(out, draft, table, limit, common, 1)
         return
-    live = iter(stops)
-    for c, matcher in enumerate(matchers):
-        stop = _NO_STOPS if matcher is None else next(live)
+    for c, stop in enumerate(stops):
         native.repair_chains(out, draft, table[c : c + 1], limit, stop, 1)
