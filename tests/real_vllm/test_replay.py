@@ -26,7 +26,9 @@ from vllm.v1.structured_output import StructuredOutputManager as Manager032  # n
 from vllm.v1.structured_output.backend_guidance import GuidanceGrammar  # noqa: E402
 from vllm.v1.structured_output.backend_outlines import OutlinesGrammar  # noqa: E402
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
+from vllm.v1.structured_output.request import StructuredOutputRequest  # noqa: E402
 
+from portable_spec import native as compiled  # noqa: E402
 from portable_spec.integrations import vllm as plugin  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -216,13 +218,10 @@ def _random_request(
     if kind == "padded" and drafts:
         cut = rng.randrange(len(drafts))
         drafts = drafts[:cut] + [-1] * (len(drafts) - cut)
-    state = SimpleNamespace(
-        grammar=wrapper,
-        reasoning_ended=None,
-        reasoner=None,
-        reasoning_parser_kwargs=None,
-        masked_reasoning_end_ids=None,
-    )
+    # vLLM's own per-request record (the grammar behind its property), with 0.33's field too
+    state = StructuredOutputRequest(params=None)
+    state.grammar = wrapper
+    state.masked_reasoning_end_ids = None
     prompt = [5, 6, 7]
     if reasoning and rng.random() < 0.6:  # still reasoning: the end token somewhere, or not
         state.reasoning_ended = False
@@ -291,9 +290,11 @@ def test_rows_match_vllms_own_fill(factories, backend, version, reasoning):
 
 @pytest.mark.parametrize("version", ["0.32", "0.33"])
 def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
-    """Steps whose requests are all xgrammar ones the library has seen, without padding or a
-    reasoning parser, are written by the plugin's one-function path (spied), every row equal
-    to vLLM's own fill, every matcher back in its state."""
+    """Steps whose requests are all xgrammar ones, without padding or a reasoning parser, are
+    written by the plugin's one-function path (spied): a grammar's first step by its Python
+    path, the next by the compiled read of vLLM's own objects where the helper can call
+    xgrammar (spied too); every row equal to vLLM's own fill, every matcher back in its
+    state."""
     cls = Manager032 if version == "0.32" else _manager_033()
     layout = plugin.LAYOUTS[version]
     make, allocate = factories["xgrammar"]
@@ -309,6 +310,17 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
         return result
 
     monkeypatch.setattr(plugin, "fast_rows", spy)
+    read = []
+    native = compiled.native
+    if native is not None and hasattr(native, "vllm_chains"):
+        read_objects = native.vllm_chains
+
+        def read_spy(*args):
+            result = read_objects(*args)
+            read.append(result is not None)
+            return result
+
+        monkeypatch.setattr(native, "vllm_chains", read_spy)
     compared = 0
     for _step in range(25):
         batch = rng.randrange(1, 9)
@@ -319,10 +331,14 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
         requests = {r.request_id: r for r, _ in pairs}
         spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
         ids = list(requests)
-        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns widths
+        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
+        assert taken[-1], f"step {_step} left the fast path"
+        read.clear()
         before = _root_rows(requests, scratch)
         ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
         assert taken[-1], f"step {_step} left the fast path"
+        if native is not None and compiled.bound_helper() is native:
+            assert read == [True], f"step {_step} was not read in compiled code"
         unwritten = list(manager._portable_spec_unwritten)
         after = _root_rows(requests, scratch)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
