@@ -288,6 +288,21 @@ def test_rows_match_vllms_own_fill(factories, backend, version, reasoning):
     assert compared > 100
 
 
+def _spy_taken(monkeypatch, owner, name):
+    """Wrap ``owner.name`` for the test; the list returned gets, per call, whether it took
+    the step (returned anything but None)."""
+    taken = []
+    function = getattr(owner, name)
+
+    def spy(*args):
+        result = function(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(owner, name, spy)
+    return taken
+
+
 @pytest.mark.parametrize("version", ["0.32", "0.33"])
 def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
     """Steps whose requests are all xgrammar ones, without padding or a reasoning parser, are
@@ -301,26 +316,11 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
     rng = random.Random(f"fast/{version}")
     scratch = allocate(1)
     manager = _manager(cls, allocate, False)
-    taken = []
-    fast = plugin.fast_rows
-
-    def spy(*args):
-        result = fast(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(plugin, "fast_rows", spy)
+    taken = _spy_taken(monkeypatch, plugin, "fast_rows")
     read = []
     native = compiled.native
     if native is not None and hasattr(native, "vllm_chains"):
-        read_objects = native.vllm_chains
-
-        def read_spy(*args):
-            result = read_objects(*args)
-            read.append(result is not None)
-            return result
-
-        monkeypatch.setattr(native, "vllm_chains", read_spy)
+        read = _spy_taken(monkeypatch, native, "vllm_chains")
     compared = 0
     for _step in range(25):
         batch = rng.randrange(1, 9)
