@@ -1570,14 +1570,18 @@ enum { TALLY_BUILDS, TALLY_REQUESTS, TALLY_ROWS, TALLY_BUILD_SECONDS, TALLY_WALK
 
 /* The compiled builds' environment (see chain_masks): borrowed references. */
 typedef struct {
-    PyObject *facts, *empty, *int32, *boolean, *ndarray, *tally;
+    PyObject *facts, *empty, *int32, *boolean, *ndarray, *tally, *held;
 } MaskEnv;
 
+/* The env tuple into *e: 0, or -1 with a TypeError set. `held` is the dict of the matchers
+   that builds started with wait=False are walking (portable_spec.pending): while it is not
+   empty, every compiled build declines and the checked path decides what to refuse. */
 static int read_env(PyObject *env, MaskEnv *e) {
-    if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 6 ||
-        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 0))) {
+    if (!PyTuple_CheckExact(env) || PyTuple_GET_SIZE(env) != 7 ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 0)) ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(env, 6))) {
         PyErr_SetString(PyExc_TypeError,
-                        "env must be (facts, empty, int32, bool, ndarray, tally)");
+                        "env must be (facts, empty, int32, bool, ndarray, tally, held)");
         return -1;
     }
     e->facts = PyTuple_GET_ITEM(env, 0);
@@ -1586,6 +1590,7 @@ static int read_env(PyObject *env, MaskEnv *e) {
     e->boolean = PyTuple_GET_ITEM(env, 3);
     e->ndarray = PyTuple_GET_ITEM(env, 4);
     e->tally = PyTuple_GET_ITEM(env, 5);
+    e->held = PyTuple_GET_ITEM(env, 6);
     return 0;
 }
 
@@ -1724,6 +1729,7 @@ static PyObject *chain_masks(PyObject *self, PyObject *args) {
                           &ends_obj, &active, &out, &want_valid, &max_rows, &threshold) ||
         read_env(env, &e) != 0)
         return NULL;
+    if (PyDict_GET_SIZE(e.held) != 0) Py_RETURN_NONE; /* pending builds hold matchers */
     Py_ssize_t n, nd, stride = 0;
     PyObject *const *gs = draft_items(grammars, &n);
     PyObject *const *ds = draft_items(drafts, &nd);
@@ -1946,6 +1952,7 @@ static PyObject *tree_masks(PyObject *self, PyObject *args) {
                           &vocab_obj, &out, &want_valid, &threshold) ||
         read_env(env, &e) != 0)
         return NULL;
+    if (PyDict_GET_SIZE(e.held) != 0) Py_RETURN_NONE; /* pending builds hold matchers */
     Py_ssize_t n;
     PyObject *const *gs = draft_items(grammars, &n);
     long long vocab = plain_vocab(vocab_obj);
@@ -2000,6 +2007,7 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
                           &vocab_obj, &out, &want_valid, &threshold) ||
         read_env(env, &e) != 0)
         return NULL;
+    if (PyDict_GET_SIZE(e.held) != 0) Py_RETURN_NONE; /* pending builds hold matchers */
     Py_ssize_t n;
     PyObject *const *gs = draft_items(grammars, &n);
     long long vocab = plain_vocab(vocab_obj);

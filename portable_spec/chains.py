@@ -25,7 +25,6 @@ from portable_spec.builder import build_host_bitmask, jobs
 from portable_spec.builder.reasoning import Reasoning
 from portable_spec.engines.xgrammar import compiled_env
 from portable_spec.errors import MatcherError
-from portable_spec.pending import pending_builds
 from portable_spec.stats import note_slow, record_build
 from portable_spec.tree import GrammarTree
 
@@ -172,13 +171,14 @@ def _direct(
     the lists plain Python ints and ``out`` valid; ``None`` otherwise (nothing written, no
     matcher moved).
 
-    One compiled call (``chain_masks``) checks the batch, reads each matcher's facts from
+    One compiled call (``chain_masks``) checks the batch (declining while a ``wait=False``
+    build holds matchers), reads each matcher's facts from
     :data:`~portable_spec.engines.xgrammar.chain_facts`, allocates the outputs, packs, walks,
     repairs and counts: the Python around it is a few lines, which is what a call costs with
     cold caches. Batches of :data:`jobs.CHAIN_TABLE_PARALLEL_ROWS` rows or more come back
     packed and are walked in parts on the pool."""
     native = compiled.native
-    if native is None or native is not compiled.bound_helper() or pending_builds():
+    if native is None or native is not compiled._bound_helper[0]:
         return None
     ends, active = _NO_ENDS, None
     if reasoning is not None:

@@ -106,6 +106,7 @@ class GrammarTree:
         "_arrays",
         "_backend",
         "_chain",
+        "_inplace",
         "_offsets",
         "_packed",
         "_staged",
@@ -119,16 +120,20 @@ class GrammarTree:
 
     def __init__(
         self,
-        staged: list[tuple[list[int], StagedArrays]],
+        staged: list[tuple[list[int], StagedArrays]] | None,
         batch: int,
         nodes: int,
-        backend: Backend,
+        backend: Backend | None,
         chain: bool,
         device: Any = None,
         offsets: _PackedLayout | None = None,
         rows: int | None = None,
+        inplace: tuple[Any, ...] | None = None,
     ) -> None:
-        # (positions among the tree's arrays, the handle that stages them)
+        # The constructors of host trees call this positionally with staged=None and
+        # backend=None (numpy): a keyword call or one more object costs microseconds with cold
+        # caches, and these trees are made on every step of an engine.
+        # (positions among the tree's arrays, the handle that stages them); None: `inplace`
         self._staged = staged
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._topology: Topology | None = None
@@ -138,6 +143,10 @@ class GrammarTree:
         self._chain = chain
         # packed chains: their checked row layout (None until resolved if staged)
         self._offsets = offsets
+        # the caller's host arrays, read in place by the compiled builds (they check dtype and
+        # layout): (tokens, offsets or None) for host chains, (next_token, next_sibling, draft)
+        # for host trees; None for trees staged from a device
+        self._inplace = inplace
         self.batch = batch
         #: nodes per request; packed chains: the longest chain's (0 until the tree is resolved
         #: when the offsets were staged from a device)
@@ -209,18 +218,20 @@ class GrammarTree:
             hosts = [host_array(n, a) for n, a in zip(_NAMES, arrays, strict=True)]
         next_token, next_sibling, draft = hosts
         shape = draft.shape
+        int64 = _INT64
         if not (
             len(shape) == 2
             and shape[1] >= 1
             and next_token.shape == shape
             and next_sibling.shape == shape
-            and next_token.dtype.kind in "iu"
-            and next_sibling.dtype.kind in "iu"
-            and draft.dtype.kind in "iu"
+            and (next_token.dtype is int64 or next_token.dtype.kind in "iu")
+            and (next_sibling.dtype is int64 or next_sibling.dtype.kind in "iu")
+            and (draft.dtype is int64 or draft.dtype.kind in "iu")
         ):  # the common case passes in a few attribute reads; anything else gets checked
             infos = [_info(n, h, host_backend()) for n, h in zip(_NAMES, hosts, strict=True)]
             shape = _check_shapes(infos, _NAMES)
-        return cls([([0, 1, 2], _Ready(hosts))], shape[0], shape[1], host_backend(), chain=False)
+        inplace = (next_token, next_sibling, draft)
+        return cls(None, shape[0], shape[1], None, False, None, None, None, inplace)
 
     @classmethod
     def from_linear_chain(cls, draft_tokens: Any) -> GrammarTree:
@@ -233,16 +244,17 @@ class GrammarTree:
 
         The links are generated on the host and need no validation.
         """
-        if isinstance(draft_tokens, (list, tuple)):
+        if type(draft_tokens) is not np.ndarray and isinstance(draft_tokens, (list, tuple)):
             draft_tokens = np.asarray(draft_tokens, dtype=np.int64)
-        if (
-            type(draft_tokens) is np.ndarray
-            and draft_tokens.ndim == 2
-            and draft_tokens.dtype.kind in "iu"
-            and draft_tokens.shape[1] >= 1
-        ):  # the common host case in a few attribute reads (no framework look-up)
-            batch, nodes = draft_tokens.shape
-            return cls([([2], _Ready([draft_tokens]))], batch, nodes, host_backend(), chain=True)
+        if type(draft_tokens) is np.ndarray:  # the common host case: no framework look-up
+            shape = draft_tokens.shape
+            if (
+                len(shape) == 2
+                and shape[1] >= 1
+                and (draft_tokens.dtype is _INT64 or draft_tokens.dtype.kind in "iu")
+            ):
+                inplace = (draft_tokens, None)
+                return cls(None, shape[0], shape[1], None, True, None, None, None, inplace)
         backend = backend_for(draft_tokens)
         info = _info("draft_tokens", draft_tokens, backend)
         batch, nodes = _check_shapes([info], ["draft_tokens"])
@@ -276,22 +288,21 @@ class GrammarTree:
             A tree with ``batch`` requests, ``nodes`` the longest chain's length and ``rows``
             ``offsets[-1]``; :meth:`resolve` returns its chains padded to ``[batch, nodes]``.
         """
-        if isinstance(tokens, (list, tuple)):
+        if type(tokens) is not np.ndarray and isinstance(tokens, (list, tuple)):
             tokens = np.asarray(tokens, dtype=np.int64)
-        if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+        shape = tokens.shape if type(tokens) is np.ndarray else None
+        if (
+            shape is not None
+            and len(shape) == 1
+            and (tokens.dtype is _INT64 or tokens.dtype.kind in "iu")
+        ):
             host = offsets if type(offsets) is np.ndarray else _host_offsets(offsets)
             if host is not None:  # the common host case: no framework look-up
-                rows = tokens.shape[0]
+                rows = shape[0]
                 layout = _packed_layout(host, rows)
-                return cls(
-                    [([2], _Ready([tokens]))],
-                    layout.batch,
-                    layout.nodes,
-                    host_backend(),
-                    False,
-                    offsets=layout,
-                    rows=rows,
-                )
+                inplace = (tokens, layout.offsets)
+                return cls(None, layout.batch, layout.nodes, None, False, None, layout, rows,
+                           inplace)  # fmt: skip
         backend = backend_for(tokens)
         info = _info("tokens", tokens, backend)
         if len(info.shape) != 1:
@@ -336,7 +347,7 @@ class GrammarTree:
     @property
     def backend(self) -> Backend:
         """The backend of the tree's (first) device array; numpy for host trees."""
-        return self._backend
+        return host_backend() if self._backend is None else self._backend
 
     @property
     def is_chain(self) -> bool:
@@ -380,7 +391,15 @@ class GrammarTree:
         if self._arrays is None:
             shape = (self.batch, self.nodes)
             slots: list[np.ndarray | None] = [None, None, None, None]
-            for positions, staged in self._staged:
+            staged_arrays = self._staged
+            if staged_arrays is None:  # the caller's host arrays
+                host = self._inplace
+                assert host is not None
+                if len(host) == 3:
+                    staged_arrays = [([0, 1, 2], _Ready(list(host)))]
+                else:
+                    staged_arrays = [([2], _Ready([host[0]]))]
+            for positions, staged in staged_arrays:
                 for position, host in zip(positions, staged.resolve(), strict=True):
                     if position == 3:  # packed chains' offsets, staged from a device
                         self._offsets = _packed_layout(host, self.rows)
@@ -404,12 +423,10 @@ class GrammarTree:
         array: ``[batch, nodes]`` for :meth:`from_linear_chain`, ``[rows]`` for
         :meth:`from_packed_chains` whose rows are its chains back to back. ``None`` otherwise
         (then :meth:`resolve`). Read them only while the build that asked runs."""
-        if self._arrays is not None or len(self._staged) != 1 or not (self._chain or self._packed):
+        host = self._inplace
+        if self._arrays is not None or host is None or len(host) != 2:
             return None
-        staged = self._staged[0][1]
-        if type(staged) is not _Ready:
-            return None
-        tokens = staged._arrays[0]
+        tokens = host[0]
         if (
             tokens.dtype != np.int64
             or not tokens.flags.c_contiguous
@@ -418,24 +435,6 @@ class GrammarTree:
         ):
             return None
         return tokens
-
-    def host_tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Internal (the small-call path): the ``(next_token, next_sibling, draft)`` arrays of
-        a :meth:`from_host` tree as the caller gave them (or as resolved), for a compiled build
-        that reads them in place only when each is a C-contiguous int64 ``[batch, nodes]``
-        array (it checks). ``None`` for chain trees and trees staged from a device. Read them
-        only while the build that asked runs."""
-        if self._chain or self._packed:
-            return None
-        if self._arrays is not None:
-            return self._arrays
-        if len(self._staged) != 1:
-            return None
-        positions, staged = self._staged[0]
-        if type(staged) is not _Ready or positions != [0, 1, 2]:
-            return None
-        next_token, next_sibling, draft = staged._arrays
-        return next_token, next_sibling, draft
 
     def validate(self) -> None:
         """Resolve and check the links (once); raise ``ValueError`` naming the problem.
@@ -469,7 +468,7 @@ class GrammarTree:
         state = "resolved" if self._arrays is not None else "staged"
         return (
             f"GrammarTree({kind}, batch={self.batch}, nodes={self.nodes}, "
-            f"backend={self._backend.name!r}, {state})"
+            f"backend={self.backend.name!r}, {state})"
         )
 
 

@@ -12,6 +12,7 @@ from _oracle import (
     expected_valid,
     matcher_state,
 )
+from _short_path import spy_short_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -128,15 +129,7 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
     case.next_sibling = np.full((batch, nodes), -1)
-    taken = []
-    small = small_module.small_chains
-
-    def spy(*args):
-        result = small(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(small_module, "small_chains", spy)
+    taken = spy_short_paths(monkeypatch)
     # the first call learns each matcher's width; the second one can take the short path
     ps.build_host_bitmask(
         case.matchers, ps.GrammarTree.from_linear_chain(case.draft), case.vocab_size
@@ -148,13 +141,15 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
     )
     return_valid = data.draw(st.booleans(), label="return_valid")
     reset_grammar_stats()
+    taken.clear()
     tree = ps.GrammarTree.from_linear_chain(case.draft)
     result = ps.build_host_bitmask(
         case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid
     )
     # every request has an xgrammar matcher as wide as the mask: the short path
     plain = all(m is not None for m in case.matchers) and words == vocab.words
-    assert taken[-1] == plain
+    # the caller's int64 tokens, read in place by one compiled call
+    assert taken == (["in_place"] if plain else [])
     mask = result[0] if return_valid else result
     if all(m is None for m in case.matchers):
         assert mask is None

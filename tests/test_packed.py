@@ -14,12 +14,12 @@ from _oracle import (
     expected_rows,
     matcher_state,
 )
+from _short_path import spy_short_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
 import portable_spec.builder.jobs as jobs_module
-import portable_spec.builder.small as small_module
 from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
@@ -446,15 +446,7 @@ def test_small_packed_calls_take_the_short_path(smollm2, data, monkeypatch):
     case, chains, tokens, offsets = _draw_packed(data, smollm2, ("xgrammar",), max_length=9)
     words = -(-case.vocab_size // 32)
     plain = all(m is not None for m in case.matchers) and words == smollm2.words
-    taken = []
-    small = small_module.small_chains
-
-    def spy(*args):
-        result = small(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(small_module, "small_chains", spy)
+    taken = spy_short_paths(monkeypatch)
     ps.build_host_bitmask(  # the first call learns each matcher's width
         case.matchers, ps.GrammarTree.from_packed_chains(tokens, offsets), case.vocab_size
     )
@@ -464,9 +456,11 @@ def test_small_packed_calls_take_the_short_path(smollm2, data, monkeypatch):
         -(2**31), 2**31, size=(int(offsets[-1]), words), dtype=np.int32
     )
     reset_grammar_stats()
+    taken.clear()
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
     result = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out, return_valid=True)
-    assert taken[-1] == plain
+    # the caller's int64 tokens, read in place by one compiled call
+    assert taken == (["in_place"] if plain else [])
     mask, valid = result
     if all(m is None for m in case.matchers):
         assert mask is None

@@ -107,11 +107,16 @@ def build_host_bitmask(
     first). Requests are spread over the library's thread pool (:func:`set_num_threads`).
     Every matcher ends in the state it started in.
     """
-    if not isinstance(tree, GrammarTree):
+    if type(tree) is not GrammarTree and not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     if reasoning is None and layout == "dense" and max_rows is None:
-        small_build = small.small_chains if tree.is_chain or tree.is_packed else small.small_trees
-        done = small_build(grammars, tree, vocab_size, out, return_valid)
+        # the common small call: one compiled call over the caller's arrays, else small chains
+        # in Python (see small.py); None from either when anything is unusual
+        done = None if tree._inplace is None else small.in_place(
+            grammars, tree, vocab_size, out, return_valid
+        )  # fmt: skip
+        if done is None and (tree._chain or tree._packed):
+            done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
         if done is not None:
             return done
     vocab_size = check_vocab_size(vocab_size)

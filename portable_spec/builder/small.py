@@ -1,15 +1,16 @@
-"""The most common small builds in one function: a few short chains, or a small batch of
-verify trees, of plain xgrammar matchers.
+"""The most common small builds in as few Python lines as possible: a few short chains, or a
+small batch of verify trees, of plain xgrammar matchers.
 
-:func:`build_host_bitmask` tries :func:`small_chains` first for ``from_linear_chain`` and
-``from_packed_chains`` trees without reasoning, dense layout, and :func:`small_trees` for
-``from_host`` trees. A batch-1 call in a serving engine starts with cold caches
-(the model's forward pass evicts them between steps), so what it costs follows the number of
-Python lines and numpy calls it runs: this path checks only what it must (and gives up on
-anything unusual, ``None``: the general path then checks everything and raises what it must),
-walks and repairs every request in one call of the compiled helper (xgrammar's C++ traversal
-reached through tvm-ffi's C ABI, GIL released), on the calling thread; where the helper cannot
-call xgrammar itself, request by request through xgrammar's Python binding.
+:func:`build_host_bitmask` tries :func:`in_place` first for host trees without reasoning,
+dense layout: one compiled call over the caller's own arrays. When it declines, chain trees
+try :func:`small_chains`, which resolves the tokens and walks request by request. A batch-1
+call in a serving engine starts with cold caches (the model's forward pass evicts them between
+steps), so what it costs follows the number of Python lines and numpy calls it runs: these
+paths check only what they must (and give up on anything unusual, ``None``: the general path
+then checks everything and raises what it must), and walk and repair on the calling thread
+through the compiled helper (xgrammar's C++ traversal reached through tvm-ffi's C ABI, GIL
+released); where the helper cannot call xgrammar itself, request by request through
+xgrammar's Python binding.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from portable_spec.pending import pending_builds
 from portable_spec.stats import note_slow
 from portable_spec.tree import GrammarTree
 
-__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "small_chains", "small_trees"]
+__all__ = ["SMALL_CHAIN_BATCH", "chain_links", "host_rows", "in_place", "small_chains"]
 
 # Up to this many chain requests take this path, each of at most jobs.INLINE_CHAIN_NODES nodes
 # (the chains short enough to stay on the calling thread).
@@ -68,44 +69,46 @@ def host_rows(out: Any, rows: int, words: int) -> np.ndarray | None:
     return None
 
 
-def small_trees(
+def in_place(
     grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
 ) -> Any:
-    """:func:`small_chains` for verify trees (:meth:`GrammarTree.from_host` on C-contiguous
-    int64 ``[batch, nodes]`` arrays) of plain xgrammar matchers already probed at the model's
-    width and unconstrained requests (``None``), small enough for one thread: the link check,
-    the matchers' facts, the outputs, the walk, the repair and the counters in one compiled
-    call (``tree_masks``). Returns what :func:`portable_spec.build_host_bitmask` returns, or
-    ``None`` whenever anything is unusual (bad links included; nothing written, no matcher
-    moved): the general path then checks everything and raises what it must."""
+    """The most common small call in one compiled call over the caller's own host arrays
+    (``tree._inplace``, read in place): a few short chains (``from_linear_chain``,
+    ``from_packed_chains``: ``span_masks``) or a small batch of verify trees (``from_host``:
+    ``tree_masks``) of plain xgrammar matchers already probed at the model's width, nothing
+    pending. The compiled call checks the arrays, the links, the matchers' facts and ``out``,
+    walks and repairs every request on the calling thread (GIL released) and counts. Returns
+    what :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is
+    unusual (nothing written, no matcher moved): the other paths then check everything and
+    raise what they must.
+
+    A call arrives with cold caches in a serving engine (the forward pass evicts them between
+    steps), where every Python line and attribute read costs about a microsecond: this
+    function is the few lines the common call runs besides the compiled one."""
     native = compiled.native
-    walk = getattr(native, "tree_masks", None)
-    batch, nodes = tree.batch, tree.nodes
-    if (
-        walk is None
-        or native is not compiled.bound_helper()
-        or type(grammars) is not list
-        or len(grammars) != batch
-        or nodes >= jobs.SPLIT_MIN_NODES
-        or batch * nodes >= jobs.CHAIN_TABLE_PARALLEL_ROWS
-        or pending_builds()
-    ):
+    if native is None or native is not compiled._bound_helper[0]:
         return None
-    arrays = tree.host_tree_arrays()
-    if arrays is None:
+    arrays = tree._inplace
+    assert arrays is not None
+    threshold = stats._threshold or -1.0
+    if len(arrays) == 2:  # host chains: (tokens, offsets or None)
+        if tree.batch > SMALL_CHAIN_BATCH or tree.nodes > jobs.INLINE_CHAIN_NODES:
+            return None
+        tokens, offsets = arrays
+        done = native.span_masks(
+            compiled_env, grammars, tokens, offsets, tree.nodes, vocab_size, out, return_valid,
+            threshold,
+        )  # fmt: skip
+    else:  # host trees: (next_token, next_sibling, draft)
+        if tree.nodes >= jobs.SPLIT_MIN_NODES or tree.rows >= jobs.CHAIN_TABLE_PARALLEL_ROWS:
+            return None
+        next_token, next_sibling, draft = arrays
+        done = native.tree_masks(
+            compiled_env, grammars, next_token, next_sibling, draft, vocab_size, out,
+            return_valid, threshold,
+        )  # fmt: skip
+    if done is None:
         return None
-    next_token, next_sibling, draft = arrays
-    done = walk(
-        compiled_env, grammars, next_token, next_sibling, draft, vocab_size, out, return_valid,
-        stats._threshold or -1.0,
-    )  # fmt: skip
-    return None if done is None else _compiled_result(done, return_valid)
-
-
-def _compiled_result(done: tuple[Any, ...], return_valid: bool) -> Any:
-    """What :func:`portable_spec.build_host_bitmask` returns from a compiled small build's
-    ``(mask, valid, failed, message, slow)``; raises :class:`MatcherError` for a refused
-    matcher and logs the slow walks."""
     mask, valid, failed, message, slow = done
     if failed >= 0:
         raise MatcherError(failed, RuntimeError(message))
@@ -117,17 +120,15 @@ def _compiled_result(done: tuple[Any, ...], return_valid: bool) -> Any:
 def small_chains(
     grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
 ) -> Any:
-    """The most common small call in one function: a few ``from_linear_chain`` or
-    ``from_packed_chains`` requests of plain xgrammar matchers already probed at the model's
-    width, nothing pending, a valid ``out`` (or none). Walks and repairs each request on the
-    calling thread, reading the caller's tokens in place when they are host int64 arrays (no
-    resolve, no padding, the links of each chain length made once): then the checks, the
-    matchers' facts, the outputs, the walk and the counters are one compiled call
-    (``span_masks``); otherwise the walk is one compiled call or one binding call per
-    request. Returns what
-    :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is unusual
-    (nothing written, no matcher moved): the general path then checks everything and raises
-    what it must."""
+    """A few ``from_linear_chain`` or ``from_packed_chains`` requests of plain xgrammar
+    matchers already probed at the model's width, nothing pending, a valid ``out`` (or none),
+    when :func:`in_place` could not take them (tokens staged from a device, of another dtype
+    or layout, or no compiled call over them). Walks and repairs each request on the calling
+    thread (no padding, the links of each chain length made once): one compiled call for the
+    whole batch when the helper can call xgrammar itself, else one binding call per request.
+    Returns what :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever
+    anything is unusual (nothing written, no matcher moved): the general path then checks
+    everything and raises what it must."""
     native = compiled.native
     # the tree's own fields, read once: each property or method call costs microseconds here
     batch, nodes, packed = tree.batch, tree.nodes, tree._packed
@@ -145,15 +146,6 @@ def small_chains(
     ):
         return None
     tokens = tree.host_chain_tokens()
-    if tokens is not None and native is compiled.bound_helper():
-        # checks, the matchers' facts, the outputs, the walk and the counters in one call
-        offsets = tree._offsets.offsets if packed else None  # type: ignore[union-attr]
-        done = native.span_masks(
-            compiled_env, grammars, tokens, offsets, nodes, vocab_size, out, return_valid,
-            stats._threshold or -1.0,
-        )  # fmt: skip
-        if done is not None:
-            return _compiled_result(done, return_valid)
     words = (vocab_size + 31) >> 5
     infos = []
     for g in grammars:

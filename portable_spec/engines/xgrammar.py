@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec import stats
+from portable_spec import pending, stats
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
 from portable_spec.native import traverse_xgrammar, xgrammar_handle
@@ -31,8 +31,9 @@ _cache: IdentityCache[MatcherInfo] = IdentityCache()
 chain_facts: dict[int, tuple[Any, int, int, int, np.ndarray]] = {}
 _stop_arrays: dict[frozenset[int], np.ndarray] = {}
 _MAX_STOP_SETS = 256
-# what the compiled builds read besides their arguments (native's chain_masks, span_masks)
-compiled_env = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, stats.tally)
+# what the compiled builds read besides their arguments (native's chain_masks, span_masks,
+# tree_masks): they decline while the last entry (the matchers pending builds hold) is not empty
+compiled_env = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, stats.tally, pending._held)
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 
