@@ -1997,6 +1997,19 @@ done:
     return result;
 }
 
+/* An exact Python int that fits int64 into *v: 0; else -1 (no error left set). */
+static int exact_int(PyObject *obj, int64_t *v) {
+    int overflow = 0;
+    if (!PyLong_CheckExact(obj)) return -1;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *v = (int64_t)value;
+    return 0;
+}
+
 static PyObject *span_masks(PyObject *self, PyObject *args) {
     PyObject *env, *grammars, *tokens_obj, *offsets_obj, *vocab_obj, *out;
     Py_ssize_t width;
@@ -2013,16 +2026,17 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
     long long vocab = plain_vocab(vocab_obj);
     if (n <= 0 || vocab < 0 || (offsets_obj == Py_None && width < 1)) Py_RETURN_NONE;
     Py_ssize_t words = (Py_ssize_t)((vocab + 31) >> 5);
-    Py_buffer tokens, offsets;
+    /* the offsets: a tuple or list of Python ints (a packed layout's, made once per layout:
+       reading them costs nothing like a numpy buffer export with cold caches) */
+    Py_ssize_t n_off = 0;
+    PyObject *const *offs = NULL;
+    int has_offsets = offsets_obj != Py_None;
+    if (has_offsets && ((offs = draft_items(offsets_obj, &n_off)) == NULL || n_off != n + 1))
+        Py_RETURN_NONE;
+    Py_buffer tokens;
     if (PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
                                                     PyBUF_WRITABLE) != 0) {
         PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    int has_offsets = offsets_obj != Py_None;
-    if (has_offsets && get_buffer(offsets_obj, &offsets, 0, 'i', 8, 1, "offsets") != 0) {
-        PyErr_Clear();
-        PyBuffer_Release(&tokens);
         Py_RETURN_NONE;
     }
     PyObject *result = NULL;
@@ -2038,11 +2052,12 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
     if (*fmt == '=' || *fmt == '@' || *fmt == '<') fmt++;
     if ((fmt[0] != 'q' && fmt[0] != 'l') || fmt[1] != 0 || tokens.itemsize != 8) goto decline;
     Py_ssize_t total = tokens.len / 8, rows = 0, longest = 1;
-    const int64_t *off = has_offsets ? (const int64_t *)offsets.buf : NULL;
-    if (has_offsets && (offsets.shape[0] != n + 1 || off[0] != 0)) goto decline;
+    int64_t end = 0; /* offsets[b + 1] as read (offsets[0] must be 0) */
+    if (has_offsets && (exact_int(offs[0], &end) != 0 || end != 0)) goto decline;
     for (Py_ssize_t b = 0; b < n; b++) { /* request b: rows (and tokens) first .. first + len */
-        int64_t first = has_offsets ? off[b] : (int64_t)b * width;
-        int64_t len = has_offsets ? off[b + 1] - off[b] : width;
+        int64_t first = has_offsets ? end : (int64_t)b * width;
+        if (has_offsets && exact_int(offs[b + 1], &end) != 0) goto decline;
+        int64_t len = has_offsets ? end - first : width;
         if (len < 1 || first != rows) goto decline;
         table[4 * b] = table[4 * b + 1] = first;
         table[4 * b + 2] = len;
@@ -2065,7 +2080,6 @@ done:
     PyMem_Free(table);
     PyMem_Free(times);
     PyMem_Free(ids);
-    if (has_offsets) PyBuffer_Release(&offsets);
     PyBuffer_Release(&tokens);
     return result;
 }
@@ -2118,7 +2132,7 @@ static PyMethodDef methods[] = {
     {"span_masks", span_masks, METH_VARARGS,
      "span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold) "
      "-> (mask, valid, failed, message, slow) or None: a small build of chain trees (host int64 "
-     "tokens) in one call, GIL released for the walk."},
+     "tokens; offsets None, or a tuple of ints) in one call, GIL released for the walk."},
     {"tree_masks", tree_masks, METH_VARARGS,
      "tree_masks(env, grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid, "
      "threshold) -> (mask, valid, failed, message, slow) or None: a small build of trees (host "

@@ -144,8 +144,8 @@ class GrammarTree:
         # packed chains: their checked row layout (None until resolved if staged)
         self._offsets = offsets
         # the caller's host arrays, read in place by the compiled builds (they check dtype and
-        # layout): (tokens, offsets or None) for host chains, (next_token, next_sibling, draft)
-        # for host trees; None for trees staged from a device
+        # layout): (tokens, the offsets as a tuple of ints or None) for host chains,
+        # (next_token, next_sibling, draft) for host trees; None for trees staged from a device
         self._inplace = inplace
         self.batch = batch
         #: nodes per request; packed chains: the longest chain's (0 until the tree is resolved
@@ -300,7 +300,7 @@ class GrammarTree:
             if host is not None:  # the common host case: no framework look-up
                 rows = shape[0]
                 layout = _packed_layout(host, rows)
-                inplace = (tokens, layout.offsets)
+                inplace = (tokens, layout.bounds)
                 return cls(None, layout.batch, layout.nodes, None, False, None, layout, rows,
                            inplace)  # fmt: skip
         backend = backend_for(tokens)
@@ -561,12 +561,15 @@ class _PackedLayout:
     spans, the longest chain, the chain links padded to ``[batch, nodes]`` (read-only)."""
 
     __slots__ = (
-        "batch", "inside", "next_sibling", "next_token", "nodes", "offsets", "rows", "spans",
+        "batch", "bounds", "inside", "next_sibling", "next_token", "nodes", "offsets", "rows",
+        "spans",
     )  # fmt: skip
 
     def __init__(self, offsets: np.ndarray, starts: list[int] | None = None) -> None:
         self.offsets = offsets
         bounds = offsets.tolist()
+        #: the offsets as a tuple of ints, as the compiled small build reads them
+        self.bounds: tuple[int, ...] = tuple(bounds)
         self.rows: int = bounds[-1]  # the packed tokens' count
         lengths = [e - s for s, e in itertools.pairwise(bounds)]
         self.batch = len(lengths)

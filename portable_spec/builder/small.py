@@ -91,7 +91,7 @@ def in_place(
     arrays = tree._inplace
     assert arrays is not None
     threshold = stats._threshold or -1.0
-    if len(arrays) == 2:  # host chains: (tokens, offsets or None)
+    if len(arrays) == 2:  # host chains: (tokens, the offsets as a tuple of ints, or None)
         if tree.batch > SMALL_CHAIN_BATCH or tree.nodes > jobs.INLINE_CHAIN_NODES:
             return None
         tokens, offsets = arrays
