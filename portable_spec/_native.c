@@ -170,9 +170,58 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#ifdef PS_NUMPY
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+#endif
+
+/* A numpy array read through its fields into *view: 1 when `obj` is an aligned, native-order,
+   C-contiguous ndarray (writable when asked) of integers of `itemsize` bytes (kind 'i') or of
+   bools (kind '?'), its view filled with nothing to release (view->obj NULL) and the format
+   'i', 'q' or '?'; 0 otherwise (nothing filled, no error). A buffer export builds a format
+   string and a shape for every call: microseconds with cold caches, on every engine step. The
+   caller holds a reference to `obj` for as long as it reads the view. Built without numpy's
+   headers, always 0 (the buffer protocol then does the job). */
+static int array_view(PyObject *obj, Py_buffer *view, int writable, char kind,
+                      Py_ssize_t itemsize) {
+#ifdef PS_NUMPY
+    if (!PyArray_Check(obj)) return 0;
+    PyArrayObject *a = (PyArrayObject *)obj;
+    int type = PyArray_TYPE(a);
+    const char *format;
+    if (kind == '?') {
+        if (type != NPY_BOOL) return 0;
+        format = "?";
+    } else if (type == NPY_INT || type == NPY_LONG || type == NPY_LONGLONG) {
+        if (PyArray_ITEMSIZE(a) != itemsize || (itemsize != 4 && itemsize != 8)) return 0;
+        format = itemsize == 8 ? "q" : "i";
+    } else {
+        return 0;
+    }
+    if (!PyArray_ISCARRAY_RO(a) || !PyArray_ISNOTSWAPPED(a) ||
+        (writable && !PyArray_ISWRITEABLE(a)))
+        return 0;
+    view->buf = PyArray_DATA(a);
+    view->obj = NULL;
+    view->len = PyArray_NBYTES(a);
+    view->itemsize = PyArray_ITEMSIZE(a);
+    view->readonly = !PyArray_ISWRITEABLE(a);
+    view->ndim = PyArray_NDIM(a);
+    view->format = (char *)format;
+    view->shape = (Py_ssize_t *)PyArray_DIMS(a);
+    view->strides = NULL;
+    view->suboffsets = NULL;
+    view->internal = NULL;
+    return 1;
+#else
+    (void)obj, (void)view, (void)writable, (void)kind, (void)itemsize;
+    return 0;
+#endif
+}
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind,
                       Py_ssize_t itemsize, int ndim, const char *name) {
+    if (array_view(obj, view, writable, kind, itemsize) && view->ndim == ndim) return 0;
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) != 0) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", name,
@@ -325,6 +374,7 @@ static Py_ssize_t decide_rows(const int32_t *mask, Py_ssize_t n, Py_ssize_t word
 
 /* A writable C-contiguous buffer of n one-byte flags (numpy bool or uint8, any shape). */
 static int get_flags(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
+    if (array_view(obj, view, 1, '?', 1) && view->ndim >= 1 && view->len == n) return 0;
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
         PyErr_SetString(PyExc_TypeError, "valid must be a C-contiguous writable buffer");
         return -1;
@@ -1552,6 +1602,8 @@ done:
 static int fits_rows(PyObject *out, PyObject *ndarray, Py_ssize_t rows, Py_ssize_t words) {
     if ((PyObject *)Py_TYPE(out) != ndarray) return 0;
     Py_buffer view;
+    if (array_view(out, &view, 1, 'i', 4))
+        return view.ndim == 2 && view.shape[0] == rows && view.shape[1] == words;
     if (PyObject_GetBuffer(out, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
         PyErr_Clear();
         return 0;
@@ -1660,14 +1712,27 @@ done:
    when `out` is None, NULL with no error set when `out` does not fit, NULL with an error set
    when the allocation failed. */
 static PyObject *mask_for(const MaskEnv *e, PyObject *out, Py_ssize_t rows, Py_ssize_t words) {
-    if (out == Py_None) return PyObject_CallFunction(e->empty, "(nn)O", rows, words, e->int32);
+    if (out == Py_None) {
+#ifdef PS_NUMPY
+        npy_intp dims[2] = {rows, words};
+        return PyArray_SimpleNew(2, dims, NPY_INT32);
+#else
+        return PyObject_CallFunction(e->empty, "(nn)O", rows, words, e->int32);
+#endif
+    }
     return fits_rows(out, e->ndarray, rows, words) ? Py_NewRef(out) : NULL;
 }
 
 /* A new bool array of `rows` flags shaped [batch, width] (width > 0) or [rows]. */
 static PyObject *flags_for(const MaskEnv *e, Py_ssize_t rows, Py_ssize_t batch, Py_ssize_t width) {
+#ifdef PS_NUMPY
+    (void)e;
+    npy_intp dims[2] = {width ? batch : rows, width};
+    return PyArray_SimpleNew(width ? 2 : 1, dims, NPY_BOOL);
+#else
     return width ? PyObject_CallFunction(e->empty, "(nn)O", batch, width, e->boolean)
                  : PyObject_CallFunction(e->empty, "(n)O", rows, e->boolean);
+#endif
 }
 
 /* Add one build to the tally (times: per request, counted where handles[b] != 0) and return
@@ -2034,7 +2099,8 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
     if (has_offsets && ((offs = draft_items(offsets_obj, &n_off)) == NULL || n_off != n + 1))
         Py_RETURN_NONE;
     Py_buffer tokens;
-    if (PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+    if (!array_view(tokens_obj, &tokens, 1, 'i', 8) &&
+        PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
                                                     PyBUF_WRITABLE) != 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -2150,6 +2216,9 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+#ifdef PS_NUMPY
+    import_array();
+#endif
     PyObject *m = PyModule_Create(&module);
     /* repair_rows takes the optional `valid` output (older builds of this module do not) */
     if (m != NULL && PyModule_AddIntConstant(m, "REPAIR_VALID", 1) != 0) {
