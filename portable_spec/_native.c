@@ -198,9 +198,8 @@ static int array_view(PyObject *obj, Py_buffer *view, int writable, char kind,
     } else {
         return 0;
     }
-    if (!PyArray_ISCARRAY_RO(a) || !PyArray_ISNOTSWAPPED(a) ||
-        (writable && !PyArray_ISWRITEABLE(a)))
-        return 0;
+    /* C-contiguous, aligned and in native byte order */
+    if (!PyArray_ISCARRAY_RO(a) || (writable && !PyArray_ISWRITEABLE(a))) return 0;
     view->buf = PyArray_DATA(a);
     view->obj = NULL;
     view->len = PyArray_NBYTES(a);

@@ -27,6 +27,7 @@ from _oracle import (
     fill_row,
     matcher_state,
 )
+from _short_path import spy_short_paths
 
 import portable_spec as ps
 import portable_spec.drafting.session as drafting_session
@@ -99,6 +100,42 @@ def test_tree_arrays_of_every_integer_dtype_and_byte_order(smollm2, dtype):
     ):
         assert [a.tolist() for a in tree.resolve()] == [[TREE_NT], [TREE_NS], [TREE_DT]]
         np.testing.assert_array_equal(ps.build_host_bitmask([matcher], tree, smollm2.size), want)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+def test_chains_of_a_seen_matcher_in_every_dtype_layout_and_byte_order(smollm2, dtype, monkeypatch):
+    """A matcher the library has seen takes the compiled call over the caller's own arrays
+    when they are aligned, native-order, C-contiguous, writable int64 (spied); tokens of any
+    other integer dtype or byte order, a strided view and a read-only array go another way and
+    give the same rows as the oracle; an ``out`` the call cannot write is refused by name."""
+    chain = [0, OPEN, QUOTE, LETTER_N]
+    want = _want(smollm2, [1, 2, 3, -1], [-1, -1, -1, -1], chain)
+    matcher = _request(smollm2).fresh()
+    seen = ps.GrammarTree.from_linear_chain(np.array([chain]))
+    ps.build_host_bitmask([matcher], seen, smollm2.size)  # the library learns the matcher
+    before = matcher_state(matcher, PROBE, smollm2.words)
+    taken = spy_short_paths(monkeypatch)
+    tokens = _typed([chain], dtype)
+    strided = _typed([[t, 0] for t in chain], dtype)[:, 0].reshape(1, -1)
+    readonly = tokens.copy()
+    readonly.flags.writeable = False
+    for name, array in (("tokens", tokens), ("strided", strided), ("read-only", readonly)):
+        plain = name == "tokens" and dtype == np.dtype(np.int64)
+        for tree in (
+            ps.GrammarTree.from_linear_chain(array),
+            ps.GrammarTree.from_packed_chains(array.reshape(-1), np.array([0, 4], np.int32)),
+        ):
+            taken.clear()
+            got = ps.build_host_bitmask([matcher], tree, smollm2.size)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {tree!r}")
+            assert ("in_place" in taken) == plain, (name, taken)
+    assert matcher_state(matcher, PROBE, smollm2.words) == before
+    out = np.zeros((4, smollm2.words), np.int32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        ps.build_host_bitmask([matcher], ps.GrammarTree.from_linear_chain(tokens), smollm2.size,
+                              out=out)  # fmt: skip
+    assert matcher_state(matcher, PROBE, smollm2.words) == before
 
 
 @pytest.mark.parametrize("dtype", _dtypes(), ids=str)
