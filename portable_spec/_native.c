@@ -2149,6 +2149,96 @@ done:
     return result;
 }
 
+/* Nonzero words of one row, counting up to `most + 1` (enough to tell "at most `most`"). */
+static Py_ssize_t nonzero_words(const int32_t *row, Py_ssize_t width, Py_ssize_t most) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t w = 0; w < width && count <= most; w++) count += row[w] != 0;
+    return count;
+}
+
+static PyObject *chain_live(PyObject *self, PyObject *args) {
+    PyObject *target_obj, *rows_obj, *tokens_obj, *usable_obj, *ended_obj;
+    int first_word, last_word;
+    Py_ssize_t most;
+    if (!PyArg_ParseTuple(args, "OOOOOiin", &target_obj, &rows_obj, &tokens_obj, &usable_obj,
+                          &ended_obj, &first_word, &last_word, &most))
+        return NULL;
+    Py_buffer target, rows, tokens, usable, ended;
+    PyObject *result = NULL;
+    if (get_buffer(target_obj, &target, 0, 'i', 4, 2, "target") != 0) return NULL;
+    if (get_buffer(rows_obj, &rows, 0, 'i', 8, 2, "rows") != 0) goto fail_target;
+    if (get_buffer(tokens_obj, &tokens, 0, 'i', 8, 2, "tokens") != 0) goto fail_rows;
+    if (get_buffer(usable_obj, &usable, 0, 'i', 8, 1, "usable") != 0) goto fail_tokens;
+    Py_ssize_t count = rows.shape[0], nodes = rows.shape[1];
+    if (get_flags(ended_obj, &ended, count) != 0) goto fail_usable;
+    Py_ssize_t drafts = tokens.shape[1], height = target.shape[0], width = target.shape[1];
+    const int64_t *row = (const int64_t *)rows.buf, *tok = (const int64_t *)tokens.buf;
+    const int64_t *use = (const int64_t *)usable.buf;
+    if (tokens.shape[0] != count || drafts != nodes - 1 || usable.shape[0] != count ||
+        width < 1) {
+        PyErr_SetString(PyExc_ValueError, "chain_live: rows [count, nodes], tokens "
+                                          "[count, nodes - 1], usable and ended [count]");
+        goto fail_ended;
+    }
+    for (Py_ssize_t j = 0; j < count * nodes; j++)
+        if (row[j] < 0 || row[j] >= height) {
+            PyErr_SetString(PyExc_ValueError, "chain_live: a row index is outside target");
+            goto fail_ended;
+        }
+    PyObject *live = PyList_New(count), *checks = PyList_New(0);
+    if (live == NULL || checks == NULL) goto fail_lists;
+    const int32_t *t = (const int32_t *)target.buf;
+    const uint8_t *stopped = (const uint8_t *)ended.buf;
+    const int64_t limit = 32 * (int64_t)width;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        const int64_t *r = row + k * nodes, *d = tok + k * drafts;
+        Py_ssize_t n = drafts; /* drafts before the first its parent's row refuses */
+        for (Py_ssize_t i = 0; i < drafts; i++) {
+            int64_t safe = d[i] < 0 ? 0 : d[i] >= limit ? limit - 1 : d[i];
+            uint32_t bits = (uint32_t)t[r[i] * width + (safe >> 5)];
+            if (i >= use[k] || !((bits >> (safe & 31)) & 1)) {
+                n = i;
+                break;
+            }
+        }
+        PyObject *value = PyLong_FromSsize_t(n);
+        if (value == NULL) goto fail_lists;
+        PyList_SET_ITEM(live, k, value);
+        if (stopped[k]) continue;
+        for (Py_ssize_t i = 0; i < n; i++) { /* rows to decide on a fork */
+            const int32_t *own = t + r[i + 1] * width;
+            int64_t safe = d[i] < 0 ? 0 : d[i] >= limit ? limit - 1 : d[i];
+            int intact = own[0] == first_word && own[width - 1] == last_word;
+            int sparse = (((uint32_t)own[safe >> 5] >> (safe & 31)) & 1) &&
+                         nonzero_words(own, width, most) <= most;
+            if (!intact && !sparse) continue;
+            PyObject *item = Py_BuildValue("nnOO", k, i, intact ? Py_True : Py_False,
+                                           sparse ? Py_True : Py_False);
+            if (item == NULL || PyList_Append(checks, item) != 0) {
+                Py_XDECREF(item);
+                goto fail_lists;
+            }
+            Py_DECREF(item);
+        }
+    }
+    result = Py_BuildValue("NN", live, checks);
+    live = checks = NULL;
+fail_lists:
+    Py_XDECREF(live);
+    Py_XDECREF(checks);
+fail_ended:
+    PyBuffer_Release(&ended);
+fail_usable:
+    PyBuffer_Release(&usable);
+fail_tokens:
+    PyBuffer_Release(&tokens);
+fail_rows:
+    PyBuffer_Release(&rows);
+fail_target:
+    PyBuffer_Release(&target);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"links_valid", links_valid, METH_VARARGS,
      "links_valid(next_token, next_sibling) -> bool: whether int64 [batch, nodes] links form "
@@ -2194,6 +2284,12 @@ static PyMethodDef methods[] = {
      "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends) -> "
      "(rows used, (checked, rejected, failed, message), drafts) or None: the vLLM plugin's "
      "common step read from vLLM's objects, walked and repaired (GIL released)."},
+    {"chain_live", chain_live, METH_VARARGS,
+     "chain_live(target, rows, tokens, usable, ended, first_word, last_word, most) -> (live, "
+     "checks): after llguidance's executor filled chains: per request how many leading drafts "
+     "its parents' rows allow (up to usable[k]), and the (request, draft, intact, sparse) rows "
+     "of those drafts still holding both sentinel words, or allowing their own token with at "
+     "most `most` nonzero words (ended requests: none)."},
     {"span_masks", span_masks, METH_VARARGS,
      "span_masks(env, grammars, tokens, offsets, width, vocab_size, out, want_valid, threshold) "
      "-> (mask, valid, failed, message, slow) or None: a small build of chain trees (host int64 "

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native as compiled
 from portable_spec.engines.base import IdentityCache, MatcherInfo, NodeStates
 from portable_spec.engines.walk import (
     ENDED_FREE,
@@ -328,9 +329,37 @@ def _live_drafts(
     holding the sentinel after an allowed draft, or a sparse row allowing its own token, is
     decided on a fork (an end token, or a coincidence)."""
     count, drafts = tokens.shape
-    limit = 32 * target.shape[1]
     if drafts == 0:
         return np.zeros(count, dtype=np.int64)
+    helper = compiled.native
+    if helper is not None and hasattr(helper, "chain_live"):  # the same decisions in one pass
+        counts, checks = helper.chain_live(
+            target, np.ascontiguousarray(rows), np.ascontiguousarray(tokens), usable,
+            np.ascontiguousarray(ended), _SENTINEL[0], _SENTINEL[1], END_ROW_MAX_WORDS,
+        )  # fmt: skip
+        live = np.array(counts, dtype=np.int64)
+    else:
+        live, checks = _live_by_numpy(target, rows, tokens, usable, ended)
+    for k, i, intact, sparse in checks:
+        if ended[k] or i >= live[k]:
+            continue
+        matcher = matchers[requests[k]]
+        path = tokens[k, : i + 1].tolist()
+        if intact and _stopped_at(matcher, path[:-1]):
+            live[k] = i  # an end token after a complete grammar: nothing written
+        elif sparse and _ends(matcher, path):
+            live[k] = i  # an end token: its row holds the end tokens only
+    return live
+
+
+def _live_by_numpy(
+    target: np.ndarray, rows: np.ndarray, tokens: np.ndarray, usable: np.ndarray, ended: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int, bool, bool]]]:
+    """What the compiled ``chain_live`` computes, with numpy: the drafts each request's
+    parents' rows allow, and the ``(request, draft, intact, sparse)`` rows to decide on a fork
+    (none for ended requests)."""
+    drafts = tokens.shape[1]
+    limit = 32 * target.shape[1]
     safe = np.clip(tokens, 0, limit - 1)
     word, bit = safe >> 5, safe & 31
     parents, own_rows = rows[:, :-1], rows[:, 1:]
@@ -343,7 +372,10 @@ def _live_drafts(
     sparse = own & before_stop
     if sparse.any():  # an end token's row has at most END_ROW_MAX_WORDS non-zero words
         where = np.nonzero(sparse)
-        sample = np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
+        # distinct words (a narrow row would repeat some): never more than the row counts
+        sample = np.unique(
+            np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
+        )
         candidate = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
         candidate = candidate <= END_ROW_MAX_WORDS
         sparse[where] = candidate
@@ -351,16 +383,9 @@ def _live_drafts(
             rows_left = own_rows[where][candidate]
             full = np.count_nonzero(target[rows_left], axis=1) <= END_ROW_MAX_WORDS
             sparse[where[0][candidate], where[1][candidate]] = full
-    for k, i in np.argwhere((intact | sparse) & before_stop).tolist():
-        if ended[k] or i >= live[k]:
-            continue
-        matcher = matchers[requests[k]]
-        path = tokens[k, : i + 1].tolist()
-        if intact[k, i] and _stopped_at(matcher, path[:-1]):
-            live[k] = i  # an end token after a complete grammar: nothing written
-        elif sparse[k, i] and _ends(matcher, path):
-            live[k] = i  # an end token: its row holds the end tokens only
-    return live
+    pick = (intact | sparse) & before_stop & ~ended[:, None]
+    checks = [(k, i, bool(intact[k, i]), bool(sparse[k, i])) for k, i in np.argwhere(pick).tolist()]
+    return live, checks
 
 
 def _stopped_at(matcher: Any, path: list[int]) -> bool:
