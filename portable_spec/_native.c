@@ -1,7 +1,7 @@
 /*
  * portable_spec._native: the index work of the mask build, without the GIL.
  *
- * Two functions, both over one request's first-child / next-sibling links:
+ * Its functions (links are one request's first-child / next-sibling arrays):
  *
  *   links_valid(next_token, next_sibling) -> bool
  *       The link rules of portable_spec.topology for a C-contiguous int64 [batch, nodes]
@@ -122,12 +122,13 @@
  *               want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra)
  *                                                    or None
  *       build_chain_bitmask's common call with no Python in between: `env` is (facts, empty,
- *       int32, bool, ndarray, tally): `facts` maps id(matcher) to (weak reference, handle,
+ *       int32, bool, ndarray, tally, held): `facts` maps id(matcher) to (weak reference, handle,
  *       words, vocab_size, stop_ids) for every xgrammar matcher probed with a handle
  *       (stop_ids one array per distinct stop set, compared by identity), `empty` numpy's
  *       allocator with its dtypes int32 and bool, `ndarray` numpy's array type, `tally` a
  *       float64 [8] of build counters this call adds to (builds, requests, rows, summed walk
- *       seconds, wall seconds, checked nodes, refused nodes, slowest walk). Every grammar None
+ *       seconds, wall seconds, checked nodes, refused nodes, slowest walk), `held` the dict of
+ *       matchers builds started with wait=False hold (not empty: None). Every grammar None
  *       or a matcher of `facts` (one width for vocab_size, one vocabulary and one stop set,
  *       none listed twice, at least one), `drafts` lists or tuples of plain ints,
  *       rows_per_request None or an int > every list's length, `out` None (allocated) or a
@@ -145,8 +146,8 @@
  *       -> (mask, valid, failed, message, slow) or None
  *       chain_masks for chain trees whose tokens are already a host array: `tokens` a
  *       C-contiguous writable int64 array of every request's chain back to back (its root
- *       first), `offsets` None (request b's chain is `width` tokens from b * width) or an
- *       int64 [batch + 1] array of where each chain starts (packed). Every grammar a matcher
+ *       first), `offsets` None (request b's chain is `width` tokens from b * width) or a tuple
+ *       (or list) of batch + 1 ints, where each chain starts (packed). Every grammar a matcher
  *       of `facts` (no None). The rows are the chains' own (no padding); `valid` is bool
  *       [batch, width] or [rows]. A token out of [0, vocab_size) is a refused draft.
  *
@@ -158,6 +159,18 @@
  *       Every grammar None (unconstrained: all-allowed rows, every node a link reaches
  *       accepted) or a matcher of `facts`, one at least. Rows [batch * nodes], `valid` bool
  *       [batch, nodes]; rows no link reaches are all-allowed and not accepted.
+ *
+ *   chain_live(target, rows, tokens, usable, ended, first_word, last_word, most)
+ *       -> (live, checks)
+ *       After llguidance's executor wrote chains into `target` (int32 [rows, width]; request
+ *       k's nodes in rows[k] of int64 [count, nodes], its drafts int64 [count, nodes - 1]):
+ *       per request how many leading drafts its parents' rows allow (no more than usable[k]),
+ *       and in order the (request, draft, intact, sparse) of each such draft whose own row
+ *       still holds both sentinel words (first and last) or allows its own token with at most
+ *       `most` nonzero words: the caller decides those on a fork. None for `ended` requests.
+ *
+ * Numpy arrays are read through numpy's C API when the module is built with its headers
+ * (aligned, native-order, C-contiguous arrays; anything else through the buffer protocol).
  *
  * Pure index work on caller-owned buffers: the GIL is released while it runs.
  */
