@@ -1658,12 +1658,23 @@ static int read_env(PyObject *env, MaskEnv *e) {
     return 0;
 }
 
+/* An exact Python int that fits int64 into *v: 0; else -1 (no error left set). */
+static int exact_int(PyObject *obj, int64_t *v) {
+    int overflow = 0;
+    if (!PyLong_CheckExact(obj)) return -1;
+    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *v = (int64_t)value;
+    return 0;
+}
+
 /* vocab_size as the compiled builds take it: an exact int in (0, 2^40], else -1. */
 static long long plain_vocab(PyObject *obj) {
-    if (!PyLong_CheckExact(obj)) return -1;
-    int overflow = 0;
-    long long vocab = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    return overflow || vocab <= 0 || vocab > (1LL << 40) ? -1 : vocab;
+    int64_t vocab;
+    return exact_int(obj, &vocab) != 0 || vocab <= 0 || vocab > (1LL << 40) ? -1 : vocab;
 }
 
 /* Each grammar's handle from the facts table into handles[n] (0 for None, allowed only with
@@ -2074,19 +2085,6 @@ done:
     return result;
 }
 
-/* An exact Python int that fits int64 into *v: 0; else -1 (no error left set). */
-static int exact_int(PyObject *obj, int64_t *v) {
-    int overflow = 0;
-    if (!PyLong_CheckExact(obj)) return -1;
-    long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (overflow || (value == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return -1;
-    }
-    *v = (int64_t)value;
-    return 0;
-}
-
 static PyObject *span_masks(PyObject *self, PyObject *args) {
     PyObject *env, *grammars, *tokens_obj, *offsets_obj, *vocab_obj, *out;
     Py_ssize_t width;
@@ -2169,6 +2167,13 @@ static Py_ssize_t nonzero_words(const int32_t *row, Py_ssize_t width, Py_ssize_t
     return count;
 }
 
+/* Whether int32 `row` allows `token`, clamped into [0, limit) (the caller has cut the chain
+   at its first token outside that range where it matters). */
+static int row_allows(const int32_t *row, int64_t token, int64_t limit) {
+    int64_t safe = token < 0 ? 0 : token >= limit ? limit - 1 : token;
+    return ((uint32_t)row[safe >> 5] >> (safe & 31)) & 1;
+}
+
 static PyObject *chain_live(PyObject *self, PyObject *args) {
     PyObject *target_obj, *rows_obj, *tokens_obj, *usable_obj, *ended_obj;
     int first_word, last_word;
@@ -2207,9 +2212,7 @@ static PyObject *chain_live(PyObject *self, PyObject *args) {
         const int64_t *r = row + k * nodes, *d = tok + k * drafts;
         Py_ssize_t n = drafts; /* drafts before the first its parent's row refuses */
         for (Py_ssize_t i = 0; i < drafts; i++) {
-            int64_t safe = d[i] < 0 ? 0 : d[i] >= limit ? limit - 1 : d[i];
-            uint32_t bits = (uint32_t)t[r[i] * width + (safe >> 5)];
-            if (i >= use[k] || !((bits >> (safe & 31)) & 1)) {
+            if (i >= use[k] || !row_allows(t + r[i] * width, d[i], limit)) {
                 n = i;
                 break;
             }
@@ -2220,10 +2223,8 @@ static PyObject *chain_live(PyObject *self, PyObject *args) {
         if (stopped[k]) continue;
         for (Py_ssize_t i = 0; i < n; i++) { /* rows to decide on a fork */
             const int32_t *own = t + r[i + 1] * width;
-            int64_t safe = d[i] < 0 ? 0 : d[i] >= limit ? limit - 1 : d[i];
             int intact = own[0] == first_word && own[width - 1] == last_word;
-            int sparse = (((uint32_t)own[safe >> 5] >> (safe & 31)) & 1) &&
-                         nonzero_words(own, width, most) <= most;
+            int sparse = row_allows(own, d[i], limit) && nonzero_words(own, width, most) <= most;
             if (!intact && !sparse) continue;
             PyObject *item = Py_BuildValue("nnOO", k, i, intact ? Py_True : Py_False,
                                            sparse ? Py_True : Py_False);
