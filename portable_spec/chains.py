@@ -23,7 +23,6 @@ from portable_spec import native as compiled
 from portable_spec import stats
 from portable_spec.builder import build_host_bitmask, jobs
 from portable_spec.builder.reasoning import Reasoning
-from portable_spec.engines.xgrammar import compiled_env
 from portable_spec.errors import MatcherError
 from portable_spec.stats import note_slow, record_build
 from portable_spec.tree import GrammarTree
@@ -177,8 +176,7 @@ def _direct(
     repairs and counts: the Python around it is a few lines, which is what a call costs with
     cold caches. Batches of :data:`jobs.CHAIN_TABLE_PARALLEL_ROWS` rows or more come back
     packed and are walked in parts on the pool."""
-    native = compiled.native
-    if native is None or native is not compiled._bound_helper[0]:
+    if not compiled.walks_xgrammar():
         return None
     ends, active = _NO_ENDS, None
     if reasoning is not None:
@@ -191,12 +189,12 @@ def _direct(
     threshold = stats._threshold or -1.0  # the slow-walk warning's (seconds; -1: none)
     parts = jobs.CHAIN_TABLE_PARALLEL_ROWS  # the pool splits them only with threads to spare
     args = (rows_per_request, vocab_size, ends, active, out, return_valid, parts, threshold)
-    done = native.chain_masks(compiled_env, grammars, drafts, *args)
+    done = compiled.chain_masks(grammars, drafts, *args)
     if done is None:
         lists = _as_lists(drafts)
         if lists is None:
             return None
-        done = native.chain_masks(compiled_env, grammars, lists, *args)
+        done = compiled.chain_masks(grammars, lists, *args)
         if done is None:
             return None
     mask, valid, failed, message, extra = done
@@ -227,14 +225,15 @@ def _as_lists(drafts: Any) -> list[Any] | None:
 def _walk_parts(
     mask: np.ndarray,
     valid: np.ndarray | None,
-    packed: tuple[bytes, bytes, bytes, int],
+    packed: tuple[bytes, bytes, bytes, int, list[Any]],
     limit: int,
-    stop_ids: np.ndarray,
+    stops: bytes,
 ) -> None:
     """Walk the chains ``chain_masks`` packed (too many rows for one thread) in parts on the
-    pool, and account the build."""
+    pool, and account the build. ``packed``: the tokens, the (first row, first token, nodes)
+    of each chain, its request, the rows walked and its matcher."""
     began = perf_counter()
-    tokens, table, owners, walked = packed
+    tokens, table, owners, walked, matchers = packed
     walks: list[tuple[int, float]] = []
     checked = rejected = 0
     if table:
@@ -243,11 +242,13 @@ def _walk_parts(
             checked, rejected, walks = jobs.walk_chain_table(
                 mask,
                 np.frombuffer(tokens, dtype=np.int64),
-                np.frombuffer(table, dtype=np.int64).reshape(-1, 4),
+                np.frombuffer(table, dtype=np.int64).reshape(-1, 3),
+                matchers,
                 limit,
-                stop_ids,
+                np.frombuffer(stops, dtype=np.int64),
                 None if valid is None else valid.reshape(-1),
                 walked,
+                hold=True,
             )
         except MatcherError as exc:
             raise MatcherError(who[exc.request_index], exc.error) from exc.error

@@ -1,28 +1,55 @@
-"""The index work of the mask build: one entry per operation, the compiled helper or numpy
-behind each.
+"""The compiled helper's only way in: one entry per operation, each with its numpy/Python
+implementation or the reason it has none.
 
-The C extension (``portable_spec._native``) is built at install time when a compiler is
-present; it releases the GIL while it runs. Without it (or with ``PORTABLE_SPEC_NO_NATIVE=1``)
-every entry below runs its numpy/Python equivalent: same results, tested against each other.
-Callers call the entries and never ask which implementation answers.
+The C extension (``portable_spec._native``, sources in ``portable_spec/csrc/``) is built at
+install time when a compiler is present; it releases the GIL while it walks. At import the
+module is loaded once and its ``ABI_VERSION`` checked; a stale build, a missing one or
+``PORTABLE_SPEC_NO_NATIVE=1`` leaves every entry on its fallback. Callers call the entries
+below (looked up on this module at call time: :func:`use` switches them all) and never reach
+into the compiled module.
 
-=================  ==========================================================================
-entry              what it does (one request's first-child / next-sibling links)
-=================  ==========================================================================
-links_valid        True when the links of a whole batch are known to be well formed
-repair_rows        after a walk: keep the rows of accepted, live nodes, -1 into the others
-                   (``row_repairer``: the same, taken once for a loop over requests)
-keep_rows          the same decision without writes: the kept nodes, ascending
-take_rows          copy the listed rows out (and number them), for the compact layout
-traverse_xgrammar  one request's ``GrammarMatcher.traverse_draft_tree``, GIL released
-xgrammar_handle    what the compiled helper needs to call a matcher's methods itself
-=================  ==========================================================================
+==================  ===========================================  =============================
+entry               what it does                                 without the compiled helper
+==================  ===========================================  =============================
+links_valid         True when a batch's links are known valid    False: the caller's Python
+                                                                 validator decides
+repair_rows         one walked request's rows repaired           numpy/Python
+row_repairer        the same, taken once for a loop              numpy/Python
+keep_rows           the decision of repair_rows, no writes       numpy/Python
+take_rows           listed rows copied out (compact layout)      numpy
+traverse_xgrammar   one request's xgrammar walk, GIL released    xgrammar's Python binding
+chain_live          llguidance's written-rows pass               None: the caller's numpy pass
+repair_chains       walked chains repaired (vLLM's repeat rule)  none: the vLLM plugin's only,
+                                                                 its checked path otherwise
+walk_chains         chains of xgrammar matchers walked and       none: taken only when
+walk_trees          repaired in one call (or trees)              walks_xgrammar()
+pack_chains         draft lists packed, walked                   None: the caller's path
+vllm_chains         vLLM's step read from its objects, walked    None: the plugin's path
+chain_masks         build_chain_bitmask's common call            None: the general build
+span_masks          small chain trees over host tokens           None: the general build
+tree_masks          small host trees                             None: the general build
+xgrammar_handle     whether the helper can call a matcher        0
+walks_xgrammar      whether the helper calls xgrammar itself     False
+configure           the library's tables the builds read         (kept for a later helper)
+set_walk_hook       a callable run right before a walk drops     (nothing to hook)
+                    the GIL (tests act there as another thread)
+==================  ===========================================  =============================
 
 The rule of ``repair_rows`` and ``keep_rows``: a node keeps its row iff the matcher was live
 at the root and every node on its root path has its token in ``[0, limit)``, not a stop
-token, and its bit set in its parent's row. Counts: ``checked`` are the children of kept
+token, its bit set in its parent's row, and was not refused by xgrammar's walk (a token in the
+row's last word past the tokenizer's vocabulary: xgrammar sets such bits in some states but
+refuses the token and leaves its row all-zero). Counts: ``checked`` are the children of kept
 nodes (the draft tokens the grammar was asked about), ``refused`` those whose token is out of
-range or whose bit is clear (an accepted stop token is not a refusal).
+range, whose bit is clear or that xgrammar refused (an accepted stop token is not a refusal).
+
+Every compiled walk owns what it reads while the GIL is released: a reference to each matcher
+it walks, private copies of the tokens, links and stop tokens, and the caller's output arrays
+for the whole call. While it walks, its matchers are entered in the held table of
+:mod:`portable_spec.pending`, so that no other build (one started with ``wait=False``, one on
+another thread) walks them at the same time: a build that finds one of its matchers held
+declines (returns ``None``) before writing anything, and the general build then refuses it
+with a ``ValueError``.
 
 xgrammar (0.2.8 and later) reaches its C++ through tvm-ffi: each Python call converts its
 array arguments and dispatches under the GIL, then walks without it. On short chains that part
@@ -48,14 +75,27 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "bound_helper",
+    "ABI_VERSION",
+    "chain_live",
+    "chain_masks",
+    "configure",
     "keep_rows",
     "links_valid",
     "native",
+    "pack_chains",
+    "repair_chains",
     "repair_rows",
     "row_repairer",
+    "set_walk_hook",
+    "span_masks",
     "take_rows",
     "traverse_xgrammar",
+    "tree_masks",
+    "use",
+    "vllm_chains",
+    "walk_chains",
+    "walk_trees",
+    "walks_xgrammar",
     "xgrammar_handle",
 ]
 
@@ -63,19 +103,107 @@ logger = logging.getLogger("portable_spec")
 
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
+#: the entry points' layout these sources expect of the compiled module
+ABI_VERSION = 2
+
 
 def _load() -> ModuleType | None:
     if os.environ.get("PORTABLE_SPEC_NO_NATIVE", "") not in ("", "0"):
         return None
     try:
-        return importlib.import_module("portable_spec._native")
+        module = importlib.import_module("portable_spec._native")
     except ImportError:
         return None
+    found = getattr(module, "ABI_VERSION", None)
+    if found != ABI_VERSION:
+        logger.warning(
+            "portable_spec._native is a build of other sources (ABI %s, these sources need "
+            "%s): reinstall the library to rebuild it; the numpy/Python paths are used",
+            found,
+            ABI_VERSION,
+        )
+        return None
+    return module
 
 
-#: the compiled module, or None when unavailable or disabled (read at every call: setting it
-#: to None switches every entry to its numpy/Python implementation)
-native: ModuleType | None = _load()
+#: the compiled module in use, or None (every entry on its fallback); switch with :func:`use`
+native: ModuleType | None = None
+
+_tables: tuple[Any, ...] | None = None  # what configure() was given
+
+
+def _decline(*args: Any) -> None:
+    """A compiled-only build without the compiled helper: declines, nothing written."""
+    return None
+
+
+def _missing(*args: Any) -> Any:
+    raise RuntimeError(
+        "portable_spec's compiled helper is not in use; this entry has no fallback (its "
+        "callers ask walks_xgrammar() first)"
+    )
+
+
+#: the compiled-only entries: the compiled function, or what answers without it
+chain_masks: Callable[..., Any] = _decline
+span_masks: Callable[..., Any] = _decline
+tree_masks: Callable[..., Any] = _decline
+pack_chains: Callable[..., Any] = _decline
+vllm_chains: Callable[..., Any] = _decline
+walk_chains: Callable[..., Any] = _missing
+walk_trees: Callable[..., Any] = _missing
+repair_chains: Callable[..., Any] = _missing
+_COMPILED_ONLY = {
+    "chain_masks": _decline,
+    "span_masks": _decline,
+    "tree_masks": _decline,
+    "pack_chains": _decline,
+    "vllm_chains": _decline,
+    "walk_chains": _missing,
+    "walk_trees": _missing,
+    "repair_chains": _missing,
+}
+
+
+def use(helper: ModuleType | None) -> None:
+    """Switch every entry to ``helper`` (a compiled module of this ABI) or, with ``None``, to
+    its numpy/Python implementation (the compiled-only builds then decline). The tables given
+    to :func:`configure` are handed to the new helper. Not thread-safe: call it when no build
+    runs (tests, start-up)."""
+    global native
+    native = helper
+    entries = globals()
+    for name, fallback in _COMPILED_ONLY.items():
+        entries[name] = fallback if helper is None else getattr(helper, name)
+    if helper is not None and _tables is not None:
+        helper.configure(*_tables)
+
+
+def configure(facts: dict[int, Any], held: dict[int, Any], tally: np.ndarray) -> None:
+    """Give the compiled builds the library's tables: ``facts`` (id(matcher) -> (weak
+    reference, handle, words, vocab_size, stop_ids) of each probed xgrammar matcher the helper
+    can call), ``held`` (id(matcher) -> the token of the build walking it) and ``tally`` (the
+    float64 build counters). Called once, by :mod:`portable_spec.engines.xgrammar`."""
+    global _tables
+    _tables = (facts, held, tally, np.empty, np.int32, np.bool_, np.ndarray)
+    if native is not None:
+        native.configure(*_tables)
+
+
+def set_walk_hook(hook: Callable[[], Any] | None) -> None:
+    """Have every compiled walk call ``hook()`` right before it releases the GIL (after its
+    checks, with its matchers held and its inputs copied), or stop with ``None``: the moment
+    another thread could change what the walk reads. For tests; does nothing without the
+    compiled helper."""
+    if native is not None:
+        native.set_walk_hook(hook)
+
+
+def walks_xgrammar() -> bool:
+    """Whether the compiled helper is in use and calls xgrammar's methods itself (bound by the
+    first xgrammar matcher probed): then :func:`walk_chains` and :func:`walk_trees` take
+    matchers whose :func:`xgrammar_handle` is not 0."""
+    return native is not None and native is _bound_helper[0]
 
 
 def links_valid(next_token: np.ndarray, next_sibling: np.ndarray) -> bool:
@@ -106,8 +234,8 @@ def repair_rows(
     tokens. ``root_state``: 1 the matcher was live at the root, 0 terminated, -1 read it off
     row 0. Every row of a node that does not keep its row (rule in the module docstring)
     becomes all-allowed (-1). ``valid`` (bool ``[nodes]``, optional) receives which nodes the
-    grammar accepts: the root, and each child of a kept node whose token is in range with its
-    bit set (stop tokens included). Blocks until done (GIL released in the compiled helper).
+    grammar accepts: the root, and each child of a kept node the rule accepts (stop tokens
+    included). Blocks until done (GIL released in the compiled helper).
     """
     repair = row_repairer(valid is not None)
     if valid is None:
@@ -120,12 +248,11 @@ def repair_rows(
 def row_repairer(valid: bool) -> Callable[..., tuple[int, int, int]]:
     """The implementation behind :func:`repair_rows`, for a loop over requests that calls it
     many times: ``repair(rows, next_token, next_sibling, draft, limit, stop_ids, root_state[,
-    valid]) -> (kept, checked, refused)`` (``kept``: rows kept). ``valid``: whether the
-    calls pass the ``valid`` output (a compiled helper older than these sources does not
-    take it; the numpy/Python implementation answers then). Take it once per build: a
-    later switch of :data:`native` is not seen by a function already taken."""
+    valid]) -> (kept, checked, refused)`` (``kept``: rows kept). Take it once per build: a
+    later :func:`use` is not seen by a function already taken. ``valid`` is kept for the
+    callers' symmetry (both implementations take the flags)."""
     helper = native
-    if helper is not None and (not valid or getattr(helper, "REPAIR_VALID", 0)):
+    if helper is not None:
         return helper.repair_rows  # type: ignore[no-any-return]
     return _repair_rows_python
 
@@ -201,6 +328,8 @@ def _decide(
     first, following, token = (a.tolist() for a in links)
     nodes = len(first)
     stops = frozenset(stop_ids.tolist())
+    words = rows.shape[1]
+    last_word = 32 * (words - 1)  # tokens past it may lie past the tokenizer's vocabulary
     keep = [False] * nodes
     accepted = [False] * nodes
     accepted[0] = True
@@ -219,7 +348,9 @@ def _decide(
             while child != -1:
                 t = token[child]
                 checked += 1
-                if not (0 <= t < limit and (int(row[t >> 5]) >> (t & 31)) & 1):
+                if not (0 <= t < limit and (int(row[t >> 5]) >> (t & 31)) & 1) or (
+                    t >= last_word and t not in stops and not rows[child].any()
+                ):  # out of range, not allowed, or refused by xgrammar's walk
                     refused += 1
                 else:
                     accepted[child] = True
@@ -265,33 +396,60 @@ def xgrammar_handle(matcher: Any) -> int:
     return handle.__chandle__() if bound and helper is _bound_helper[0] else 0  # type: ignore[no-any-return]
 
 
-def bound_helper() -> ModuleType | None:
-    """The compiled helper holding the binding of xgrammar's methods (``None`` until a matcher
-    was bound): a handle is usable with this helper only."""
-    return _bound_helper[0]
-
-
 def traverse_xgrammar(
     matcher: Any,
     next_token: np.ndarray,
     next_sibling: np.ndarray,
     draft: np.ndarray,
     rows: np.ndarray,
-) -> None:
-    """``matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)`` with the GIL
-    released when the compiled helper can call it (:func:`xgrammar_handle`), through
-    xgrammar's Python binding otherwise; the same rows either way.
+) -> bool:
+    """One request's xgrammar walk: ``False`` when ``matcher`` is terminated (nothing
+    written), else ``matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)`` and
+    ``True``. The compiled helper does both with the GIL released, on its own copies of the
+    links and tokens (which it checks form a tree), holding the matcher, when it can call the
+    matcher (probed by the library, see :func:`xgrammar_handle`); xgrammar's Python binding
+    otherwise. The same rows either way.
 
     ``next_token``, ``next_sibling``, ``draft``: C-contiguous int64 ``[nodes]``; ``rows``:
     C-contiguous writable int32 ``[nodes, words]``, ``words`` the matcher's width. Blocks until
     the walk is done; raises what xgrammar raises (``RuntimeError`` carrying its message on
-    the direct path)."""
+    the compiled path). The caller holds the matcher (no other build walks it meanwhile).
+    """
     helper = native
-    handle = xgrammar_handle(matcher)
-    if handle:
-        helper.xgrammar_traverse(handle, next_token, next_sibling, draft, rows)  # type: ignore[union-attr]
-    else:
-        matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
+    if helper is not None and helper is _bound_helper[0]:
+        live = helper.xgrammar_traverse(matcher, next_token, next_sibling, draft, rows)
+        if live is not None:
+            return bool(live)
+    if matcher.is_terminated():
+        return False
+    matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
+    return True
+
+
+def chain_live(
+    target: np.ndarray,
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    usable: np.ndarray,
+    ended: np.ndarray,
+    sentinel: tuple[int, int],
+    most: int,
+) -> tuple[list[int], list[tuple[int, int, bool, bool]]] | None:
+    """After llguidance's executor wrote chains into ``target`` (int32 ``[rows, width]``;
+    request ``k``'s nodes are ``target`` rows ``rows[k]``, int64 ``[count, nodes]``, its
+    drafts int64 ``tokens[k]``, ``[count, nodes - 1]``): per request how many leading drafts
+    its parents' rows allow (at most ``usable[k]``, int64 ``[count]``), and in order the
+    ``(request, draft, intact, sparse)`` of each such draft whose own row still holds both
+    ``sentinel`` words or allows its own token with at most ``most`` nonzero words (none for
+    ``ended`` requests, bool ``[count]``): the caller decides those on a fork. ``None``
+    without the compiled helper (the caller's numpy pass answers). Holds the GIL (it makes
+    the list of checks); every index is bounded where it is read."""
+    helper = native
+    if helper is None:
+        return None
+    return helper.chain_live(  # type: ignore[no-any-return]
+        target, rows, tokens, usable, ended, sentinel[0], sentinel[1], most
+    )
 
 
 def _signature(schema: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -311,7 +469,7 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
     process: a second type is declined). True when bound."""
     if os.environ.get("PORTABLE_SPEC_XGRAMMAR_FFI", "") == "0":
         return False
-    if not hasattr(helper, "xgrammar_bind") or any(_bound_types.values()):
+    if any(_bound_types.values()):
         return False
     tvm_ffi = sys.modules.get("tvm_ffi")
     info = getattr(kind, "__tvm_ffi_type_info__", None)
@@ -354,3 +512,6 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
     _bound_functions.extend(functions)
     _bound_helper[0] = helper
     return True
+
+
+use(_load())

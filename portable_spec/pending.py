@@ -1,11 +1,18 @@
-"""Builds started with ``wait=False``: the handle, and the matchers such a build holds.
+"""Builds started with ``wait=False``, and the table of the matchers builds are walking.
 
-``build_grammar_vocab_mask(..., wait=False)`` checks its arguments, marks the request's matchers
-as held, and queues the build and upload on the library's background thread (whose pool job the
-workers join as for a blocking build). The caller gets a :class:`PendingMask` at once. Until
-its ``result()`` returns, the build walks the matchers: any other build over one of them is
-refused with a ``ValueError`` (a matcher walked by two builds at once would be corrupted), and
-the caller must not touch them itself.
+``build_grammar_vocab_mask(..., wait=False)`` checks its arguments, holds the request's
+matchers, and queues the build and upload on the library's background thread (whose pool job
+the workers join as for a blocking build). The caller gets a :class:`PendingMask` at once.
+Until its ``result()`` returns, the build walks the matchers: any other build over one of them
+is refused with a ``ValueError`` (a matcher walked by two builds at once would be corrupted),
+and the caller must not touch them itself.
+
+Blocking builds hold their matchers too, for as long as they walk them (the compiled builds in
+C, the general build here), so that a build started meanwhile on another thread, blocking or
+not, is refused instead of walking the same matcher. The table maps ``id(matcher)`` to the
+token of the build holding it; an entry is made with one dictionary operation that tests and
+enters together (``setdefault`` here, a test and an insert with no Python code in between in
+the compiled helper), so two threads can never both take a matcher.
 """
 
 from __future__ import annotations
@@ -16,42 +23,80 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["PendingMask", "check_not_pending", "start_pending"]
+__all__ = [
+    "PendingMask",
+    "check_not_pending",
+    "held_table",
+    "hold_matchers",
+    "release_matchers",
+    "start_pending",
+]
 
-_lock = threading.Lock()
-_held: dict[int, Any] = {}  # id(matcher) -> matcher, while a pending build walks it
-_local = threading.local()  # .own: ids held by the build the current thread runs
+_held: dict[int, Any] = {}  # id(matcher) -> the token of the build walking it
+_local = threading.local()  # .own: ids held by the wait=False build the current thread runs
+
+
+def held_table() -> dict[int, Any]:
+    """The table itself (id(matcher) -> holder token), for the compiled builds to hold their
+    matchers in (see :func:`portable_spec.native.configure`)."""
+    return _held
 
 
 def _conflict(grammars: Iterable[Any], exempt: frozenset[int] | set[int]) -> int | None:
     for i, g in enumerate(grammars):
-        if g is not None and id(g) not in exempt and _held.get(id(g)) is g:
+        if g is not None and id(g) not in exempt and id(g) in _held:
             return i
     return None
 
 
 def _refuse(index: int) -> ValueError:
     return ValueError(
-        f"grammars[{index}] is being walked by a build started with wait=False that has not "
-        "finished; call its result() before building over this matcher again (or touching it)"
+        f"grammars[{index}] is being walked by another build that has not finished (one "
+        "started with wait=False whose result() was not called yet, or one running on another "
+        "thread); wait for it before building over this matcher again (or touching it)"
     )
 
 
 def pending_builds() -> bool:
-    """Whether any ``wait=False`` build holds matchers right now."""
+    """Whether any build holds matchers right now."""
     return bool(_held)
 
 
 def check_not_pending(grammars: Sequence[Any]) -> None:
-    """Raise ``ValueError`` if a matcher of ``grammars`` is held by a pending build (other than
-    the one the current thread runs). Free when no build is pending."""
+    """Raise ``ValueError`` if a matcher of ``grammars`` is held by another build (other than
+    the ``wait=False`` build the current thread runs). Free when no build holds any."""
     if not _held:
         return
-    own = getattr(_local, "own", frozenset())
-    with _lock:
-        index = _conflict(grammars, own)
+    index = _conflict(grammars, getattr(_local, "own", frozenset()))
     if index is not None:
         raise _refuse(index)
+
+
+def hold_matchers(grammars: Sequence[Any], exempt_own: bool = True) -> tuple[object, list[Any]]:
+    """Hold the matchers of ``grammars`` (``None`` entries skipped) for a build: returns its
+    ``(token, held)``, ``held`` the matchers entered (references: they cannot be freed, nor
+    their ids reused, while held). Raises ``ValueError`` naming the first matcher another
+    build holds, nothing held then. With ``exempt_own``, the matchers of the ``wait=False``
+    build the current thread runs are taken as held already (not entered again). Pair with
+    :func:`release_matchers`."""
+    token = object()
+    own = getattr(_local, "own", frozenset()) if exempt_own else frozenset()
+    held: list[Any] = []
+    for i, g in enumerate(grammars):
+        if g is None or id(g) in own:
+            continue
+        if _held.setdefault(id(g), token) is not token:
+            release_matchers(token, held)
+            raise _refuse(i)
+        held.append(g)
+    return token, held
+
+
+def release_matchers(token: object, held: list[Any]) -> None:
+    """Release what :func:`hold_matchers` entered under ``token``."""
+    for g in held:
+        if _held.get(id(g)) is token:
+            del _held[id(g)]
 
 
 class PendingMask:
@@ -104,16 +149,11 @@ def start_pending(
     (the caller's CUDA stream, JAX default device, ...) that stores its outcome in the handle
     and releases the matchers before the handle reports done.
 
-    Raises ``ValueError`` (nothing queued) if a matcher is held by another pending build.
+    Raises ``ValueError`` (nothing queued) if a matcher is held by another build.
     """
     handle = PendingMask()
-    mine = {id(g): g for g in grammars if g is not None}
-    with _lock:
-        index = _conflict(grammars, frozenset())
-        if index is not None:
-            raise _refuse(index)
-        _held.update(mine)
-    own = frozenset(mine)
+    token, held = hold_matchers(grammars, exempt_own=False)
+    own = frozenset(id(g) for g in held)
 
     def run() -> None:
         _local.own = own
@@ -124,26 +164,19 @@ def start_pending(
             handle._error = exc
         finally:
             _local.own = frozenset()
-            with _lock:
-                for key, matcher in mine.items():
-                    if _held.get(key) is matcher:
-                        del _held[key]
+            release_matchers(token, held)
             handle._finished.set()
 
     try:
         submit(run)
     except BaseException:
-        with _lock:
-            for key in mine:
-                _held.pop(key, None)
+        release_matchers(token, held)
         raise
     return handle
 
 
 def _forget_after_fork() -> None:
-    # the threads of pending builds do not survive fork(): the child holds no matcher
-    global _lock
-    _lock = threading.Lock()
+    # the threads of the builds do not survive fork(): the child holds no matcher
     _held.clear()
 
 

@@ -80,6 +80,19 @@ def vocab(request: pytest.FixtureRequest) -> Vocab:
     return request.getfixturevalue(request.param)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """``PORTABLE_SPEC_EXPECT_NATIVE=1`` (the sanitizer run of scripts/native-check.sh): the
+    compiled helper must be the one on ``PYTHONPATH``, or the compiled tests would skip."""
+    if os.environ.get("PORTABLE_SPEC_EXPECT_NATIVE") != "1":
+        return
+    import portable_spec.native as native_module
+
+    helper = native_module.native
+    where = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+    if helper is None or not str(helper.__file__).startswith(where):
+        pytest.exit(f"the compiled helper under test is not loaded (got {helper})", returncode=3)
+
+
 # -- compiled helpers on / off -----------------------------------------------------------------
 @pytest.fixture(params=["native", "python"])
 def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -89,7 +102,9 @@ def builder_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "native" and native_module.native is None:
         pytest.skip("portable_spec._native is not built here")
     if request.param == "python":
-        monkeypatch.setattr(native_module, "native", None)
+        real = native_module.native
+        native_module.use(None)
+        request.addfinalizer(lambda: native_module.use(real))
     return request.param
 
 

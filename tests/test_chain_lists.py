@@ -126,7 +126,7 @@ def test_rows_match_the_replay(smollm2, direct_calls, rows_per_request, reasonin
             assert valid.shape == (len(drafts), rows_per_request)
         after = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
         assert after == before
-    if native_module.native is not None and native_module.bound_helper() is not None:
+    if native_module.walks_xgrammar():
         assert direct_calls and all(direct_calls)
 
 
@@ -143,7 +143,7 @@ def test_parts_on_the_pool_match_the_replay(smollm2, direct_calls, monkeypatch):
     want_mask, want_valid = _expected(requests, drafts, active, smollm2, None)
     np.testing.assert_array_equal(mask, want_mask)
     assert valid.tolist() == want_valid.tolist()
-    if native_module.bound_helper() is not None:
+    if native_module.walks_xgrammar():
         assert direct_calls == [True]
 
 
@@ -170,7 +170,7 @@ def test_inputs_the_compiled_path_declines_build_the_same_rows(smollm2, direct_c
     mask = ps.build_chain_bitmask(matchers, drafts, smollm2.size, rows_per_request=4,
                                   reasoning=content)  # fmt: skip
     np.testing.assert_array_equal(mask, want_mask)
-    if native_module.bound_helper() is not None:  # arrays and tuples read, the rest not
+    if native_module.walks_xgrammar():  # arrays and tuples read, the rest not
         assert direct_calls == [True, True, False, False]
 
 
@@ -269,7 +269,7 @@ def test_counters_match_the_replay(smollm2, direct_calls, rows_per_request):
         again = ps.grammar_stats()
         assert again["builds"] == 2 and again["rows"] == 2 * len(mask)
         assert (again["checked_nodes"], again["rejected_nodes"]) == (2 * checked, 2 * rejected)
-    if native_module.bound_helper() is not None:
+    if native_module.walks_xgrammar():
         assert direct_calls and all(direct_calls)
 
 
@@ -294,7 +294,7 @@ def test_slow_walks_are_counted_and_logged(smollm2, direct_calls, caplog):
     stats = ps.grammar_stats()
     assert stats["slow_requests"] == len(constrained)
     assert stats["last_slow_request"] == constrained[-1]
-    if native_module.bound_helper() is not None:
+    if native_module.walks_xgrammar():
         assert direct_calls == [True]
 
 
@@ -309,7 +309,7 @@ def test_matchers_enter_the_facts_table_when_probed_and_leave_with_them(smollm2,
     first = ps.build_chain_bitmask([matcher], [[5, 6]], smollm2.size)
     second = ps.build_chain_bitmask([matcher], [[5, 6]], smollm2.size)
     np.testing.assert_array_equal(first, second)
-    if native_module.bound_helper() is None:
+    if not native_module.walks_xgrammar():
         return
     assert direct_calls == [False, True]
     ref, handle, words, vocab_size, stops = chain_facts[key]

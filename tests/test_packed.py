@@ -4,6 +4,8 @@ matchers, reasoning requests, numpy / torch CPU / JAX CPU staging, and malformed
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from _cases import allowed_tokens, draw_case
@@ -405,33 +407,37 @@ def test_offsets_layout_is_not_confused_across_shapes_and_lengths(smollm2):
         assert (tree.batch, tree.nodes, tree.rows) == (good.batch, good.nodes, good.rows)
 
 
-def test_an_older_compiled_helper_still_gives_the_oracle_rows(smollm2, monkeypatch):
-    """A compiled helper built before ``repair_rows`` took the valid output (no
-    ``REPAIR_VALID``): builds fall back to the numpy valid pass, same rows and flags."""
+def test_a_stale_compiled_helper_is_not_used(smollm2, monkeypatch, caplog):
+    """A compiled helper built from other sources (another ABI_VERSION) is refused at load
+    with one warning naming both versions, and the builds give the oracle's rows without it."""
+    import importlib
+    import types
+
     import portable_spec.native as native_module
 
+    stale = types.ModuleType("portable_spec._native")
+    stale.ABI_VERSION = native_module.ABI_VERSION - 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "portable_spec._native", stale)
+    monkeypatch.setattr(importlib, "import_module", lambda name: sys.modules[name])
+    monkeypatch.delenv("PORTABLE_SPEC_NO_NATIVE", raising=False)
+    with caplog.at_level("WARNING", logger="portable_spec"):
+        assert native_module._load() is None
+    assert [r.getMessage() for r in caplog.records if "ABI" in r.getMessage()] == [
+        f"portable_spec._native is a build of other sources (ABI {stale.ABI_VERSION}, these "
+        f"sources need {native_module.ABI_VERSION}): reinstall the library to rebuild it; the "
+        "numpy/Python paths are used"
+    ]
     real = native_module.native
-    if real is None:
-        pytest.skip("portable_spec._native is not built here")
-
-    class Older:
-        links_valid = staticmethod(real.links_valid)
-        keep_rows = staticmethod(real.keep_rows)
-        take_rows = staticmethod(real.take_rows)
-
-        @staticmethod
-        def repair_rows(*args):
-            if len(args) > 7:
-                raise TypeError("repair_rows() takes at most 7 arguments")
-            return real.repair_rows(*args)
-
-    monkeypatch.setattr(native_module, "native", Older())
-    requests, chains, tokens, offsets = _json_batch(smollm2)
-    case = type("C", (), {"requests": requests})()
-    want, want_valid = _oracle(case, chains, smollm2.size, smollm2.words)
-    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
-    matchers = [r.fresh() for r in requests]
-    mask, valid = ps.build_host_bitmask(matchers, tree, smollm2.size, return_valid=True)
+    native_module.use(None)
+    try:
+        requests, chains, tokens, offsets = _json_batch(smollm2)
+        case = type("C", (), {"requests": requests})()
+        want, want_valid = _oracle(case, chains, smollm2.size, smollm2.words)
+        tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+        matchers = [r.fresh() for r in requests]
+        mask, valid = ps.build_host_bitmask(matchers, tree, smollm2.size, return_valid=True)
+    finally:
+        native_module.use(real)
     _assert_rows(mask, want)
     np.testing.assert_array_equal(valid, want_valid)
 

@@ -49,7 +49,7 @@ def test_returns_at_once_and_holds_its_matchers(smollm2):
             [matchers[1]], tree_of(1, smollm2), smollm2.size, wait=False
         ),
     ):
-        with pytest.raises(ValueError, match=r"wait=False that has not finished"):
+        with pytest.raises(ValueError, match=r"another build that has not finished"):
             build()
     other = [requests[0].fresh()]  # other matchers build as usual meanwhile
     assert ps.build_host_bitmask(other, tree_of(1, smollm2), smollm2.size) is not None

@@ -128,14 +128,14 @@ def test_small_trees_match_the_replay(smollm2, monkeypatch, data):
     set_slow_grammar_threshold(1e-12 if data.draw(st.booleans(), label="slow?") else None)
 
     taken = []
-    walk = native.tree_masks
+    walk = native_module.tree_masks
 
     def spy(*args):
         done = walk(*args)
         taken.append(done is not None)
         return done
 
-    monkeypatch.setattr(native, "tree_masks", spy)
+    monkeypatch.setattr(native_module, "tree_masks", spy)
     probes = [smollm2.eos, 0, 1, 100, 4095]
     before = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
     links_ok = _links_valid(nt, ns)

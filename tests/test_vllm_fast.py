@@ -11,6 +11,7 @@ tests/real_vllm/test_replay.py."""
 from __future__ import annotations
 
 import random
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -178,12 +179,12 @@ def _state(requests, vocab):
 def _walks(monkeypatch, direct):
     """Count the compiled one-call walks; with ``direct`` False, every matcher's handle is 0
     (as when the compiled helper cannot call xgrammar itself) and the per-request walk runs."""
-    if compiled.native is None or not hasattr(compiled.native, "walk_chains"):
+    if compiled.native is None:
         pytest.skip("the compiled helper is not built")
     _vllm_fast.forget_grammars()
     calls = []
-    walk = compiled.native.walk_chains
-    pack = compiled.native.pack_chains
+    walk = compiled.walk_chains
+    pack = compiled.pack_chains
 
     def spy(*args):
         calls.append(len(args[2]))
@@ -194,7 +195,7 @@ def _walks(monkeypatch, direct):
             calls.append(len(args[0]))
         return pack(*args)
 
-    read = compiled.native.vllm_chains
+    read = compiled.vllm_chains
 
     def read_spy(*args):  # vLLM's objects read and walked in one call (when it takes the step)
         result = read(*args)
@@ -202,9 +203,9 @@ def _walks(monkeypatch, direct):
             calls.append(("read", len(args[1])))
         return result
 
-    monkeypatch.setattr(compiled.native, "walk_chains", spy)
-    monkeypatch.setattr(compiled.native, "pack_chains", pack_spy)
-    monkeypatch.setattr(compiled.native, "vllm_chains", read_spy)
+    monkeypatch.setattr(compiled, "walk_chains", spy)
+    monkeypatch.setattr(compiled, "pack_chains", pack_spy)
+    monkeypatch.setattr(compiled, "vllm_chains", read_spy)
     if not direct:
         monkeypatch.setattr(compiled, "xgrammar_handle", lambda matcher: 0)
     elif not compiled.xgrammar_handle(Request(xgr_any_grammar()).fresh()):
@@ -317,6 +318,10 @@ def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, 
     xgrammar_engine._cache.put(
         narrow, MatcherInfo(vocab.words, vocab.words * 32, stop.stop_ids, stop.stop_set)
     )
+    handle = compiled.xgrammar_handle(narrow)
+    if handle:  # the compiled walks read the same (wrong) width from the facts table
+        facts = (weakref.ref(narrow), handle, vocab.words, vocab.words * 32, stop.stop_ids)
+        monkeypatch.setitem(xgrammar_engine.chain_facts, id(narrow), facts)
     requests["r2"] = SimpleNamespace(
         structured_output_request=SimpleNamespace(grammar=XgrammarGrammar(narrow))
     )

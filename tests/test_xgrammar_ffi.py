@@ -30,6 +30,7 @@ from _oracle import (
 import portable_spec as ps
 import portable_spec.native as native_module
 from portable_spec.builder import small
+from portable_spec.engines.xgrammar import chain_facts, probe_xgrammar
 
 native = native_module.native
 compiled_only = pytest.mark.skipif(native is None, reason="portable_spec._native is not built here")
@@ -128,20 +129,21 @@ def _terminated_request(vocab):
 
 
 def _walk_case(rng, vocab, batch, with_absent=True):
-    """Requests, their drafts, the packed tokens and a walk_chains span table."""
+    """Requests, their matchers (probed by the library; ``None`` where absent), their drafts,
+    the packed tokens and a walk_chains span table."""
     requests, matchers, rows_of, table, tokens = [], [], [], [], []
     for _b in range(batch):
         request, drafts = _random_chain(rng, vocab, rng.randrange(0, 6))
         if rng.random() < 0.15:  # a terminated matcher: its rows are all-allowed
             request = _terminated_request(vocab)
         matcher = request.native()
+        probe_xgrammar(matcher, vocab.words)
         absent = with_absent and rng.random() < 0.1
         start = len(tokens)
         tokens.extend([0, *drafts])
         requests.append(None if absent else request)
-        matchers.append(matcher)
-        handle = 0 if absent else native_module.xgrammar_handle(matcher)
-        table.append((start, start, len(drafts) + 1, handle))
+        matchers.append(None if absent else matcher)
+        table.append((start, start, len(drafts) + 1))
         rows_of.append(drafts)
     return (
         requests,
@@ -185,13 +187,14 @@ def test_walk_chains_matches_the_oracle(smollm2, repeat):
         rows = np.full((len(tokens), smollm2.words), 5, dtype=np.int32)
         valid = np.zeros(len(tokens), dtype=bool)
         seconds = np.full(len(matchers), -1.0)
-        before = [matcher_state(m, probes, smollm2.words) for m in matchers]
+        live = [m for m in matchers if m is not None]
+        before = [matcher_state(m, probes, smollm2.words) for m in live]
         stops = np.array([smollm2.eos], dtype=np.int64)
         checked, rejected, failed, message = native.walk_chains(
-            rows, tokens, table, smollm2.size, stops, repeat, valid, seconds
+            rows, tokens, table, matchers, smollm2.size, stops, repeat, valid, seconds
         )
         assert (failed, message) == (-1, None)
-        assert [matcher_state(m, probes, smollm2.words) for m in matchers] == before
+        assert [matcher_state(m, probes, smollm2.words) for m in live] == before
         assert (seconds >= 0).all()
         want_checked = want_rejected = 0
         for b, (request, chain) in enumerate(zip(requests, drafts, strict=True)):
@@ -199,7 +202,7 @@ def test_walk_chains_matches_the_oracle(smollm2, repeat):
             want, accepted = _expected_chain(request, chain, smollm2, repeat)
             np.testing.assert_array_equal(rows[start : start + n], want, err_msg=f"request {b}")
             assert valid[start : start + n].tolist() == accepted, f"request {b}"
-            if request is not None and not matchers[b].is_terminated():
+            if request is not None and not matchers[b].is_terminated():  # type: ignore[union-attr]
                 for j in range(1, n):  # the helper's counts: drafts asked about, drafts refused
                     want_checked += 1
                     if not accepted[j]:
@@ -216,7 +219,7 @@ def test_the_gil_is_released_during_the_walk(smollm2):
     interval is set so high that the walking thread never hands the GIL over on its own: the
     other thread can only run inside the call if the call releases the GIL."""
     rng = random.Random(3)
-    _requests, _matchers, _, table, tokens = _walk_case(rng, smollm2, 8, with_absent=False)
+    _requests, matchers, _, table, tokens = _walk_case(rng, smollm2, 8, with_absent=False)
     rows = np.zeros((len(tokens), smollm2.words), dtype=np.int32)
     stops = np.array([smollm2.eos], dtype=np.int64)
     inside = False
@@ -237,7 +240,7 @@ def test_the_gil_is_released_during_the_walk(smollm2):
         sys.setswitchinterval(1000.0)
         for _ in range(2000):
             inside = True
-            native.walk_chains(rows, tokens, table, smollm2.size, stops, 0)
+            native.walk_chains(rows, tokens, table, matchers, smollm2.size, stops, 0)
             inside = False
             if seen:
                 break
@@ -251,61 +254,63 @@ def test_the_gil_is_released_during_the_walk(smollm2):
 @compiled_only
 def test_malformed_calls_are_refused_before_xgrammar(smollm2):
     matcher = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
-    handle = native_module.xgrammar_handle(matcher)
+    probe_xgrammar(matcher, smollm2.words)
     rows = np.zeros((2, smollm2.words), dtype=np.int32)
     tokens = np.zeros(2, dtype=np.int64)
     stops = np.zeros(0, dtype=np.int64)
-    table = np.array([[0, 0, 2, handle]], dtype=np.int64)
-    for bad in ([[1, 0, 2, handle]], [[0, 1, 2, handle]], [[0, 0, 0, handle]], [[0, 0, 2]]):
+    table = np.array([[0, 0, 2]], dtype=np.int64)
+    for bad in ([[1, 0, 2]], [[0, 1, 2]], [[0, 0, 0]], [[0, 0, 2, 0]]):
         with pytest.raises(ValueError, match="spans out of bounds or malformed"):
-            native.walk_chains(rows, tokens, np.array(bad, dtype=np.int64), 64, stops, 0)
-    other = xgr.GrammarMatcher(smollm2.grammars["json_schema"])._handle
-    compiled_handle = smollm2.grammars["json_schema"]._handle.__chandle__()
-    assert other.__chandle__() != 0
-    with pytest.raises(TypeError, match="not the handle of an xgrammar GrammarMatcher"):
-        native.walk_chains(
-            rows, tokens, np.array([[0, 0, 2, compiled_handle]], dtype=np.int64), 64, stops, 0
-        )
-    for bad in ([(0, 0, 2)], [[0, 0, 2, handle]], [(1, 0, 2, handle)]):  # the list form
+            native.walk_chains(rows, tokens, np.array(bad, dtype=np.int64), [matcher], 64, stops, 0)
+    stranger = xgr.GrammarMatcher(smollm2.grammars["json_schema"])  # never probed
+    for who in (stranger, object(), smollm2.grammars["json_schema"], 0):
+        with pytest.raises(TypeError, match=r"matchers\[0\] is not an xgrammar matcher"):
+            native.walk_chains(rows, tokens, table, [who], 64, stops, 0)
+    with pytest.raises(TypeError, match="one entry per span"):
+        native.walk_chains(rows, tokens, table, [matcher, matcher], 64, stops, 0)
+    for bad in ([(0, 0)], [[0, 0, 2]], [(1, 0, 2)], [(0, 0, 2.0)], [(0, 0, True)]):  # lists
         with pytest.raises(ValueError, match="spans out of bounds or malformed"):
-            native.walk_chains(rows, tokens, bad, 64, stops, 0)
-    with pytest.raises(TypeError):
-        native.walk_chains(rows, tokens, [(0, 0, 2, "handle")], 64, stops, 0)
+            native.walk_chains(rows, tokens, bad, [matcher], 64, stops, 0)
     with pytest.raises(TypeError, match="valid must be"):
-        native.walk_chains(rows, tokens, table, 64, stops, 0, np.zeros(3, dtype=bool))
-    with pytest.raises(TypeError, match="seconds must be"):
-        native.walk_chains(rows, tokens, table, 64, stops, 0, None, np.zeros(1, dtype=np.float32))
+        native.walk_chains(rows, tokens, table, [matcher], 64, stops, 0, np.zeros(3, dtype=bool))
+    with pytest.raises(TypeError, match="seconds must"):
+        native.walk_chains(
+            rows, tokens, table, [matcher], 64, stops, 0, None, np.zeros(1, dtype=np.float32)
+        )
     with pytest.raises(TypeError, match="rows must be a 2-D int32 array"):
-        native.walk_chains(rows.astype(np.int64), tokens, table, 64, stops, 0)
+        native.walk_chains(rows.astype(np.int64), tokens, table, [matcher], 64, stops, 0)
     with pytest.raises(ValueError, match="differ in length"):
-        native.xgrammar_traverse(handle, *_links(2), np.zeros(3, np.int64), rows)
+        native.xgrammar_traverse(matcher, *_links(2), np.zeros(3, np.int64), rows)
+    cycle = np.array([1, 0], np.int64), np.full(2, -1, np.int64)
+    with pytest.raises(ValueError, match="do not form a tree"):
+        native.xgrammar_traverse(matcher, *cycle, np.zeros(2, np.int64), rows)
+    assert native.xgrammar_traverse(stranger, *_links(2), np.zeros(2, np.int64), rows) is None
     assert not matcher.is_terminated() and matcher_state(
         matcher, [0, 90], smollm2.words
     ) == matcher_state(xgr.GrammarMatcher(smollm2.grammars["json_schema"]), [0, 90], smollm2.words)
 
 
 @compiled_only
-def test_an_xgrammar_error_names_its_chain_and_moves_no_matcher(smollm2):
-    """Rows of a width xgrammar does not take: xgrammar refuses, the failing chain is named
-    with xgrammar's message, and the matchers stay in their states."""
+def test_an_xgrammar_error_names_its_chain_and_moves_no_matcher(smollm2, monkeypatch):
+    """Facts that give a width xgrammar does not take (as if the table lied): xgrammar refuses,
+    the failing chain is named with xgrammar's message, and the matchers stay in their
+    states."""
     rng = random.Random(5)
     _requests, matchers, _, table, tokens = _walk_case(rng, smollm2, 3, with_absent=False)
     probes = [0, 90, 1000]
     before = [matcher_state(m, probes, smollm2.words) for m in matchers]
+    for m in matchers:
+        ref, handle, words, vocab, stops = chain_facts[id(m)]
+        monkeypatch.setitem(chain_facts, id(m), (ref, handle, words + 1, vocab, stops))
     rows = np.zeros((len(tokens), smollm2.words + 1), dtype=np.int32)
     live = [b for b, m in enumerate(matchers) if not m.is_terminated()]
     _checked, _rejected, failed, message = native.walk_chains(
-        rows, tokens, table, smollm2.size, np.zeros(0, np.int64), 0
+        rows, tokens, table, matchers, smollm2.size, np.zeros(0, np.int64), 0
     )
     assert failed == live[0] and isinstance(message, str) and message
     assert [matcher_state(m, probes, smollm2.words) for m in matchers] == before
     with pytest.raises(RuntimeError):
-        native.xgrammar_traverse(
-            native_module.xgrammar_handle(matchers[live[0]]),
-            *_links(1),
-            np.zeros(1, np.int64),
-            rows[:1],
-        )
+        native.xgrammar_traverse(matchers[live[0]], *_links(1), np.zeros(1, np.int64), rows[:1])
 
 
 def test_an_unknown_signature_keeps_the_python_binding(smollm2, monkeypatch):
@@ -334,7 +339,7 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
         monkeypatch.setattr(native_module, "_bound_helper", [None])  # as if never bound
     calls = {"one": 0, "each": 0}
     counted = dict(calls)
-    each, walk = small._walk_each, native.span_masks
+    each, walk = small._walk_each, native_module.span_masks
 
     def spy_one(*args):
         done = walk(*args)
@@ -345,7 +350,7 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
         calls["each"] += 1
         return each(*args)
 
-    monkeypatch.setattr(native, "span_masks", spy_one)
+    monkeypatch.setattr(native_module, "span_masks", spy_one)
     monkeypatch.setattr(small, "_walk_each", spy_each)
     rng = random.Random(20)
     for _ in range(4):
@@ -392,14 +397,14 @@ def test_small_chain_trees_in_one_call_match_the_replay(smollm2, monkeypatch, pa
     )
 
     taken = []
-    walk = native.span_masks
+    walk = native_module.span_masks
 
     def spy(*args):
         done = walk(*args)
         taken.append(done is not None)
         return done
 
-    monkeypatch.setattr(native, "span_masks", spy)
+    monkeypatch.setattr(native_module, "span_masks", spy)
     rng = random.Random(30 + packed)
     threshold = get_slow_grammar_threshold()
     try:
@@ -520,18 +525,22 @@ def test_a_refusal_in_a_later_part_names_its_request(smollm2, monkeypatch):
     monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 48)  # parts at this small size
 
     matchers = [xgr.GrammarMatcher(smollm2.grammars["json_schema"]) for _ in range(12)]
+    for m in matchers:  # facts that give a width xgrammar refuses (as if the table lied)
+        probe_xgrammar(m, smollm2.words)
+        ref, handle, words, vocab, stops = chain_facts[id(m)]
+        monkeypatch.setitem(chain_facts, id(m), (ref, handle, words + 1, vocab, stops))
     n = 5
-    handles = [0] * 6 + [native_module.xgrammar_handle(m) for m in matchers[6:]]
-    table = np.array([(b * n, b * n, n, h) for b, h in enumerate(handles)], dtype=np.int64)
+    table = np.array([(b * n, b * n, n) for b in range(12)], dtype=np.int64)
     tokens = np.zeros(12 * n, dtype=np.int64)
-    rows = np.zeros((12 * n, smollm2.words + 1), dtype=np.int32)  # a width xgrammar refuses
+    rows = np.zeros((12 * n, smollm2.words + 1), dtype=np.int32)
     previous = ps.get_num_threads()
     ps.set_num_threads(2)
     try:
         with pytest.raises(ps.MatcherError) as raised:
             jobs.walk_chain_table(
-                rows, tokens, table, smollm2.size, np.zeros(0, np.int64), None, 12 * n
-            )
+                rows, tokens, table, [None] * 6 + matchers[6:], smollm2.size,
+                np.zeros(0, np.int64), None, 12 * n,
+            )  # fmt: skip
     finally:
         ps.set_num_threads(previous)
     assert raised.value.request_index == 6
@@ -577,13 +586,13 @@ def test_trees_walked_by_one_call_match_the_oracle(smollm2, monkeypatch, parts):
     if not native_module.xgrammar_handle(matchers[0]):
         pytest.skip("xgrammar's methods cannot be called through tvm-ffi's C ABI here")
     calls = []
-    walk = native.walk_trees
+    walk = native_module.walk_trees
 
     def spy(*args):
         calls.append(len(args[4]))
         return walk(*args)
 
-    monkeypatch.setattr(native, "walk_trees", spy)
+    monkeypatch.setattr(native_module, "walk_trees", spy)
     monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 1 if parts == 2 else 10**9)
     previous = ps.get_num_threads()
     ps.set_num_threads(2)

@@ -33,7 +33,7 @@ from portable_spec.masks import (
     check_vocab_size,
     words_for,
 )
-from portable_spec.pending import check_not_pending
+from portable_spec.pending import hold_matchers, release_matchers
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_host_bitmask"]
@@ -121,7 +121,7 @@ def build_host_bitmask(
             return done
     vocab_size = check_vocab_size(vocab_size)
     max_rows = check_layout(layout, max_rows)
-    batch, nodes = tree.batch, tree.nodes
+    batch = tree.batch
     if tree.is_packed and layout != "dense":
         raise ValueError(
             "packed chains (GrammarTree.from_packed_chains) build dense masks only; "
@@ -136,6 +136,9 @@ def build_host_bitmask(
             check_dense_out(out, tree.rows, words)
         checked = check_reasoning(reasoning, batch, vocab_size)
         thinking = [b for b in range(batch) if checked.active[b] and grammars[b] is not None]
+    if type(grammars) is list or type(grammars) is tuple:
+        # read once: another thread changing the caller's list meanwhile changes nothing
+        grammars = list(grammars)
     kinds, infos = classify_grammars(grammars, batch, vocab_size)
     if thinking:  # every check before any matcher moves: the grammars, then the links
         arrays = tree.resolve()
@@ -144,15 +147,42 @@ def build_host_bitmask(
             build_host_bitmask, grammars, tree, arrays, vocab_size, words, checked, thinking,
             out, return_valid,
         )  # fmt: skip
-    check_not_pending(grammars)
     constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
     if not constrained:
         if return_valid:
             tree.validate()
             return None, per_node(tree, tree.topology().reachable)
         return None
+    # the matchers this build walks, held until it is done (ValueError if another build holds
+    # one: it would walk them at the same time)
+    grammars = list(grammars)
+    token, held = hold_matchers(grammars)
+    try:
+        return _build_held(
+            grammars, tree, vocab_size, out, layout, max_rows, return_valid, kinds, infos,
+            constrained, words,
+        )  # fmt: skip
+    finally:
+        release_matchers(token, held)
+
+
+def _build_held(
+    grammars: list[Any],
+    tree: GrammarTree,
+    vocab_size: int,
+    out: Any,
+    layout: str,
+    max_rows: int | None,
+    return_valid: bool,
+    kinds: list[int],
+    infos: list[Any],
+    constrained: list[int],
+    words: int,
+) -> Any:
+    """The rest of :func:`build_host_bitmask` once its arguments are checked and its
+    matchers held."""
     if layout == "compact":
-        capacity = len(constrained) * nodes if max_rows is None else max_rows
+        capacity = len(constrained) * tree.nodes if max_rows is None else max_rows
         target = None if out is None else check_compact_out(out, capacity, words)
     else:
         rows = tree.rows

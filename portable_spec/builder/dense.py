@@ -221,18 +221,14 @@ def _chain_table(build: Build, words: int) -> np.ndarray | None:
     an xgrammar matcher the compiled helper can call, of the mask's width, with the same stop
     tokens; ``None`` for any other build (and for trees or chains big enough for the planner
     to split them over threads). Chains and trees alike: a tree's links are read from the
-    resolved arrays, its row ``b * nodes``."""
+    resolved arrays, its row ``b * nodes``; the matchers are ``build.grammars``."""
     tree = build.tree
     if tree.nodes >= jobs.SPLIT_MIN_NODES or not build.constrained:
         return None
-    infos = build.infos  # None exactly for the unconstrained requests
-    if jobs.walkable(infos, words) is None:
+    if jobs.walkable(build.infos, words) is None:  # infos: None for unconstrained requests
         return None
     nodes = tree.nodes
-    table = [
-        (start, b * nodes, n, 0 if info is None else info.handle)
-        for b, ((start, n), info) in enumerate(zip(build.spans, infos, strict=True))
-    ]
+    table = [(start, b * nodes, n) for b, (start, n) in enumerate(build.spans)]
     return np.array(table, dtype=np.int64)
 
 
@@ -249,8 +245,9 @@ def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any
     links = None if chains else (next_token.reshape(-1), next_sibling.reshape(-1))
     stop_ids = info.stop_ids  # type: ignore[union-attr]
     checked, rejected, walks = jobs.walk_chain_table(
-        mask, draft.reshape(-1), table, limit, stop_ids, accepted, tree.rows, links
-    )
+        mask, draft.reshape(-1), table, build.grammars, limit, stop_ids, accepted, tree.rows,
+        links,
+    )  # fmt: skip
     if accepted is not None:
         reachable = None if chains else tree.topology().reachable
         for b, kind in enumerate(build.kinds):

@@ -504,8 +504,7 @@ def walkable(infos: Sequence[MatcherInfo | None], words: int) -> MatcherInfo | N
     in one call (:func:`walk_chain_table`): each an xgrammar matcher's facts with a handle,
     ``words`` words per row, the same stop tokens and vocabulary (``None`` entries: requests
     without a matcher, skipped); ``None`` otherwise, or when every entry is ``None``."""
-    helper = native.native
-    if helper is None or helper is not native.bound_helper():
+    if not native.walks_xgrammar():
         return None
     first = None
     for info in infos:
@@ -524,55 +523,51 @@ def walk_chain_table(
     mask: np.ndarray,
     tokens: np.ndarray,
     table: np.ndarray,
+    matchers: Sequence[Any],
     limit: int,
     stop_ids: np.ndarray,
     valid: np.ndarray | None,
     rows: int,
     links: tuple[np.ndarray, np.ndarray] | None = None,
+    hold: bool = False,
 ) -> tuple[int, int, list[tuple[int, float]]]:
     """Walk and repair chains (or trees) of xgrammar matchers with the compiled helper's
     ``walk_chains`` (``walk_trees`` with ``links``): xgrammar's C++ traversal through
     tvm-ffi's C ABI, GIL released.
 
-    ``table``: int64 ``[chains, 4]``, per chain its first row in ``mask`` (int32 ``[rows,
-    words]``), its first token in ``tokens`` (int64, root first), its length and its matcher's
-    :func:`portable_spec.native.xgrammar_handle` (0: no matcher, all-allowed rows); ``rows``
-    the sum of their lengths. ``links``: ``(next_token, next_sibling)``, int64 like
-    ``tokens``, each tree's links local to it (valid: checked by the tree). With
-    :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more than one library thread, the
-    chains are cut into parts walked on the pool at once. ``valid`` (bool ``[rows]``) gets
-    the accepted nodes. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
+    ``table``: int64 ``[chains, 3]``, per chain its first row in ``mask`` (int32 ``[rows,
+    words]``), its first token in ``tokens`` (int64, root first) and its length; ``matchers``
+    its matcher (``None``: all-allowed rows), each one :func:`walkable` accepts; ``rows`` the
+    sum of the lengths. ``links``: ``(next_token, next_sibling)``, int64 like ``tokens``, each
+    tree's links local to it. With :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more
+    than one library thread, the chains are cut into parts walked on the pool at once.
+    ``valid`` (bool ``[rows]``) gets the accepted nodes. ``hold``: the matchers are held by
+    each part while it walks (``ValueError`` when another build holds one); without it the
+    caller holds them. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
     seconds)`` of each chain. Blocks until every chain is done; a matcher xgrammar refuses
     raises :class:`MatcherError` naming its chain's index, every matcher back in its state.
     """
-    helper: Any = native.native
     chains = len(table)
     seconds = np.zeros(chains, dtype=np.float64)
     if links is None:
-        walk = partial(helper.walk_chains, mask, tokens)
+        walk = partial(native.walk_chains, mask, tokens)
         tail: tuple[Any, ...] = (0, valid)
     else:
-        walk = partial(helper.walk_trees, mask, links[0], links[1], tokens)
+        walk = partial(native.walk_trees, mask, links[0], links[1], tokens)
         tail = (valid,)
     parts = 1
     if rows >= CHAIN_TABLE_PARALLEL_ROWS and chains > 1:
         parts = min(get_num_threads(), chains)
     if parts == 1:  # the common small call: no pool, no closure
-        checked, refused, failed, message = walk(table, limit, stop_ids, *tail, seconds)
-        if failed >= 0:
-            raise MatcherError(failed, RuntimeError(message))
+        checked, refused = _walked(walk(table, matchers, limit, stop_ids, *tail, seconds, hold), 0)
         return checked, refused, list(enumerate(seconds.tolist()))
     bounds = _balanced_cuts(table[:, 2], parts)
     counts = np.zeros((len(bounds) - 1, 2), dtype=np.int64)
 
     def walk_part(i: int) -> None:
         lo, hi = bounds[i], bounds[i + 1]
-        checked, refused, failed, message = walk(
-            table[lo:hi], limit, stop_ids, *tail, seconds[lo:hi]
-        )
-        counts[i] = checked, refused
-        if failed >= 0:
-            raise MatcherError(lo + failed, RuntimeError(message))
+        done = walk(table[lo:hi], matchers[lo:hi], limit, stop_ids, *tail, seconds[lo:hi], hold)
+        counts[i] = _walked(done, lo)
 
     try:
         run_indexed(walk_part, len(bounds) - 1, parallel=len(bounds) > 2)
@@ -582,6 +577,21 @@ def walk_chain_table(
         raise exc.error from exc
     checked, refused = (int(n) for n in counts.sum(axis=0))
     return checked, refused, list(enumerate(seconds.tolist()))
+
+
+def _walked(done: Any, first: int) -> tuple[int, int]:
+    """``(checked, refused)`` of a walk of chains from index ``first`` on; raises
+    :class:`MatcherError` for a chain xgrammar refused and ``ValueError`` when the walk
+    declined (another build holds one of its matchers)."""
+    if done is None:
+        raise ValueError(
+            "a matcher of this build is being walked by another build that has not finished "
+            "(one started with wait=False, or one running on another thread)"
+        )
+    checked, refused, failed, message = done
+    if failed >= 0:
+        raise MatcherError(first + failed, RuntimeError(message))
+    return checked, refused
 
 
 def _balanced_cuts(lengths: np.ndarray, parts: int) -> list[int]:

@@ -294,8 +294,8 @@ def _walk_directly(
         return False
     table = []
     position = 0
-    for info, start, length in zip(infos, starts, lengths, strict=True):
-        table.append((start, position, length, info.handle))  # type: ignore[union-attr]
+    for start, length in zip(starts, lengths, strict=True):
+        table.append((start, position, length))
         position += length
     began = perf_counter()
     try:
@@ -303,10 +303,12 @@ def _walk_directly(
             mask,
             np.array(flat, dtype=np.int64),
             np.array(table, dtype=np.int64),
+            [grammars[b] for b in owners],
             min(vocab_size, first.vocab_size),
             first.stop_ids,
             valid,
             position,
+            hold=True,
         )
     except MatcherError as exc:
         raise MatcherError(owners[exc.request_index], exc.error) from exc.error

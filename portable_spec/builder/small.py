@@ -23,10 +23,10 @@ import numpy as np
 from portable_spec import native as compiled
 from portable_spec import stats
 from portable_spec.builder import jobs
-from portable_spec.engines.xgrammar import compiled_env, xgrammar_info
+from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import XGRAMMAR, _kind_by_type
-from portable_spec.pending import pending_builds
+from portable_spec.pending import hold_matchers, release_matchers
 from portable_spec.stats import note_slow
 from portable_spec.tree import GrammarTree
 
@@ -73,11 +73,12 @@ def in_place(
     grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
 ) -> Any:
     """The most common small call in one compiled call over the caller's own host arrays
-    (``tree._inplace``, read in place): a few short chains (``from_linear_chain``,
-    ``from_packed_chains``: ``span_masks``) or a small batch of verify trees (``from_host``:
-    ``tree_masks``) of plain xgrammar matchers already probed at the model's width, nothing
-    pending. The compiled call checks the arrays, the links, the matchers' facts and ``out``,
-    walks and repairs every request on the calling thread (GIL released) and counts. Returns
+    (``tree._inplace``): a few short chains (``from_linear_chain``, ``from_packed_chains``:
+    ``span_masks``) or a small batch of verify trees (``from_host``: ``tree_masks``) of plain
+    xgrammar matchers already probed at the model's width, none walked by another build. The
+    compiled call checks the arrays, the links, the matchers' facts and ``out``, copies the
+    tokens and links, holds the matchers, walks and repairs every request on the calling
+    thread (GIL released) and counts. Returns
     what :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever anything is
     unusual (nothing written, no matcher moved): the other paths then check everything and
     raise what they must.
@@ -85,9 +86,6 @@ def in_place(
     A call arrives with cold caches in a serving engine (the forward pass evicts them between
     steps), where every Python line and attribute read costs about a microsecond: this
     function is the few lines the common call runs besides the compiled one."""
-    native = compiled.native
-    if native is None or native is not compiled._bound_helper[0]:
-        return None
     arrays = tree._inplace
     assert arrays is not None
     threshold = stats._threshold or -1.0
@@ -95,18 +93,16 @@ def in_place(
         if tree.batch > SMALL_CHAIN_BATCH or tree.nodes > jobs.INLINE_CHAIN_NODES:
             return None
         tokens, offsets = arrays
-        done = native.span_masks(
-            compiled_env, grammars, tokens, offsets, tree.nodes, vocab_size, out, return_valid,
-            threshold,
-        )  # fmt: skip
+        done = compiled.span_masks(
+            grammars, tokens, offsets, tree.nodes, vocab_size, out, return_valid, threshold
+        )
     else:  # host trees: (next_token, next_sibling, draft)
         if tree.nodes >= jobs.SPLIT_MIN_NODES or tree.rows >= jobs.CHAIN_TABLE_PARALLEL_ROWS:
             return None
         next_token, next_sibling, draft = arrays
-        done = native.tree_masks(
-            compiled_env, grammars, next_token, next_sibling, draft, vocab_size, out,
-            return_valid, threshold,
-        )  # fmt: skip
+        done = compiled.tree_masks(
+            grammars, next_token, next_sibling, draft, vocab_size, out, return_valid, threshold
+        )
     if done is None:
         return None
     mask, valid, failed, message, slow = done
@@ -121,14 +117,14 @@ def small_chains(
     grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
 ) -> Any:
     """A few ``from_linear_chain`` or ``from_packed_chains`` requests of plain xgrammar
-    matchers already probed at the model's width, nothing pending, a valid ``out`` (or none),
+    matchers already probed at the model's width, a valid ``out`` (or none),
     when :func:`in_place` could not take them (tokens staged from a device, of another dtype
     or layout, or no compiled call over them). Walks and repairs each request on the calling
     thread (no padding, the links of each chain length made once): one compiled call for the
     whole batch when the helper can call xgrammar itself, else one binding call per request.
     Returns what :func:`portable_spec.build_host_bitmask` returns, or ``None`` whenever
     anything is unusual (nothing written, no matcher moved): the general path then checks
-    everything and raises what it must."""
+    everything and raises what it must (also when another build walks one of the matchers)."""
     native = compiled.native
     # the tree's own fields, read once: each property or method call costs microseconds here
     batch, nodes, packed = tree.batch, tree.nodes, tree._packed
@@ -141,8 +137,6 @@ def small_chains(
         or nodes > jobs.INLINE_CHAIN_NODES
         or type(vocab_size) is not int
         or vocab_size <= 0
-        or pending_builds()
-        or (return_valid and not getattr(native, "REPAIR_VALID", 0))
     ):
         return None
     tokens = tree.host_chain_tokens()
@@ -177,34 +171,45 @@ def small_chains(
     else:
         tokens = tokens.reshape(-1)
         firsts = range(0, rows + 1, nodes)
-        spans = [(f, nodes) for f in firsts]
+        spans = [(f, nodes) for f in firsts[:-1]]
     accepted = np.empty(rows, dtype=bool) if return_valid else None
     first = infos[0]
     if batch == 1:  # no comprehension, no generator: each costs microseconds with cold caches
         row, n = spans[0]
-        direct = first.handle and native is compiled.bound_helper()
-        table = [(row, row, n, first.handle)]
+        direct = first.handle and compiled.walks_xgrammar()
+        table = [(row, row, n)]
     else:
         direct = jobs.walkable(infos, words) is not None
-        table = [(row, row, n, i.handle) for (row, n), i in zip(spans, infos, strict=False)]
+        table = [(row, row, n) for row, n in spans]
     if direct:  # every chain walked and repaired by one call of the compiled helper
         seconds = np.empty(batch, dtype=np.float64) if batch > 1 else None
         began = perf_counter()
-        checked, rejected, failed, message = native.walk_chains(
-            mask, tokens, table, vocab_size, first.stop_ids, 0, accepted, seconds
+        done = compiled.walk_chains(
+            mask, tokens, table, grammars, vocab_size, first.stop_ids, 0, accepted, seconds
         )
+        if done is None:  # another build walks one of the matchers: the general build says
+            return None
+        checked, rejected, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
         walks = [(0, perf_counter() - began)] if seconds is None else enumerate(seconds.tolist())
     else:
-        checked, rejected, walks = _walk_each(
-            native, grammars, infos, mask, tokens, firsts, spans, vocab_size, accepted
-        )
+        if native is None:
+            return None
+        try:
+            token, held = hold_matchers(grammars)
+        except ValueError:  # another build walks one of them: the general build says which
+            return None
+        try:
+            checked, rejected, walks = _walk_each(
+                grammars, infos, mask, tokens, firsts, spans, vocab_size, accepted
+            )
+        finally:
+            release_matchers(token, held)
     return jobs.settle(tree, (started, resolved), mask, accepted, walks, checked, rejected)
 
 
 def _walk_each(
-    native: Any,
     grammars: list[Any],
     infos: list[Any],
     mask: np.ndarray,
@@ -216,7 +221,7 @@ def _walk_each(
 ) -> tuple[int, int, list[tuple[int, float]]]:
     """Each request walked through xgrammar's Python binding and repaired by the compiled
     helper. Returns ``(checked, rejected, walks)``."""
-    repair = native.repair_rows
+    repair = compiled.row_repairer(True)
     walks = []
     checked = rejected = 0
     began = perf_counter()

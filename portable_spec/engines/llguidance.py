@@ -331,13 +331,12 @@ def _live_drafts(
     count, drafts = tokens.shape
     if drafts == 0:
         return np.zeros(count, dtype=np.int64)
-    helper = compiled.native
-    if helper is not None and hasattr(helper, "chain_live"):  # the same decisions in one pass
-        counts, checks = helper.chain_live(
-            target, np.ascontiguousarray(rows), np.ascontiguousarray(tokens), usable,
-            np.ascontiguousarray(ended), _SENTINEL[0], _SENTINEL[1], END_ROW_MAX_WORDS,
-        )  # fmt: skip
-        live = np.array(counts, dtype=np.int64)
+    done = compiled.chain_live(  # the same decisions in one compiled pass, when built
+        target, np.ascontiguousarray(rows), np.ascontiguousarray(tokens), usable,
+        np.ascontiguousarray(ended), _SENTINEL, END_ROW_MAX_WORDS,
+    )  # fmt: skip
+    if done is not None:
+        live, checks = np.array(done[0], dtype=np.int64), done[1]
     else:
         live, checks = _live_by_numpy(target, rows, tokens, usable, ended)
     for k, i, intact, sparse in checks:

@@ -9,14 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec import pending, stats
+from portable_spec import native, pending, stats
 from portable_spec.engines.base import IdentityCache, MatcherInfo
 from portable_spec.engines.generic import ForkStates
 from portable_spec.native import traverse_xgrammar, xgrammar_handle
 
 __all__ = [
     "chain_facts",
-    "compiled_env",
     "probe_xgrammar",
     "walk_xgrammar",
     "xgrammar_info",
@@ -31,9 +30,9 @@ _cache: IdentityCache[MatcherInfo] = IdentityCache()
 chain_facts: dict[int, tuple[Any, int, int, int, np.ndarray]] = {}
 _stop_arrays: dict[frozenset[int], np.ndarray] = {}
 _MAX_STOP_SETS = 256
-# what the compiled builds read besides their arguments (native's chain_masks, span_masks,
-# tree_masks): they decline while the last entry (the matchers pending builds hold) is not empty
-compiled_env = (chain_facts, np.empty, np.int32, np.bool_, np.ndarray, stats.tally, pending._held)
+# what the compiled builds read besides their arguments: the facts above, the matchers builds
+# are walking (held, see portable_spec.pending) and the build counters
+native.configure(chain_facts, pending.held_table(), stats.tally)
 _WIDTH_IN_MESSAGE = re.compile(r"should be \((?:batch_size, )?(\d+)")
 
 
@@ -133,10 +132,7 @@ def walk_xgrammar(
         and terminated nodes and leaves rows it never reaches untouched. The caller rewrites
         every row that is not an accepted, non-terminated node's (see ``builder``).
     """
-    if matcher.is_terminated():
-        return False
-    traverse_xgrammar(matcher, next_token, next_sibling, draft, rows)
-    return True
+    return traverse_xgrammar(matcher, next_token, next_sibling, draft, rows)
 
 
 def xgrammar_states(matcher: Any, info: MatcherInfo, words: int) -> ForkStates:

@@ -38,7 +38,7 @@ from portable_spec import native as compiled
 from portable_spec.builder.small import chain_links
 from portable_spec.engines.xgrammar import probe_xgrammar
 from portable_spec.errors import MatcherError
-from portable_spec.pending import pending_builds
+from portable_spec.pending import hold_matchers, release_matchers
 
 __all__ = ["fast_rows", "forget_grammars", "may_reason"]
 
@@ -103,15 +103,13 @@ def fast_rows(
     ends where it started. Sets the manager's ``_portable_spec_unwritten`` (the strided rows
     vLLM never reads). Raises :class:`portable_spec.MatcherError` (``request_index``: the
     request's position in ``ids``) when xgrammar refuses a walk; rows may then be written."""
-    native = compiled.native
-    if not ids or native is None or not hasattr(native, "repair_chains") or pending_builds():
-        return None
-    if may_reason(manager):
+    if not ids or compiled.native is None or may_reason(manager):
         return None
     stride = 0 if stride_k is None else stride_k + 1
-    if native is compiled.bound_helper() and hasattr(native, "vllm_chains"):
+    direct = compiled.walks_xgrammar()  # the helper made the handles and calls xgrammar
+    if direct:
         # the steady state: every request's facts known, read and walked in one compiled call
-        step = native.vllm_chains(
+        step = compiled.vllm_chains(
             requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS
         )
         if step is not None:
@@ -127,7 +125,6 @@ def fast_rows(
     handles: list[int] = []  # per request: its matcher's handle for the compiled helper
     matchers: list[Any] = []  # per request: its matcher
     stops: list[np.ndarray] = []  # per request: its stop tokens
-    direct = native is compiled.bound_helper()  # the helper that made the handles
     common = None  # the requests' stop tokens while they agree
     same_stops = True
     tokens_total = 0
@@ -177,11 +174,11 @@ def fast_rows(
         # read, walked and repaired in one compiled call, which declines padding (negative
         # drafts) and chains longer than the stride before any matcher moves; the strided
         # layout's rows past a chain are written all-allowed
-        done = native.pack_chains(
-            drafts, handles, stride, limit, _NO_STOPS, None, out, None, limit, common, None, 1, 1
+        done = compiled.pack_chains(
+            drafts, matchers, stride, limit, _NO_STOPS, None, out, None, limit, common, None, 1, 1
         )
         if done is None:
-            return None  # padding, a chain too long, a draft that is not a plain int
+            return None  # padding, a chain too long, a draft not a plain int, a matcher held
         _, _, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
@@ -204,9 +201,14 @@ def fast_rows(
             out[unwritten] = -1
         draft = np.array(flat, dtype=np.int64)
         table = np.array(spans, dtype=np.int64).reshape(len(drafts), 4)
-        _walk_each(
-            native, matchers, stops, out, draft, table, limit, common if same_stops else None
-        )
+        try:
+            token, held = hold_matchers(matchers)
+        except ValueError:  # another build walks one of them: the checked path says which
+            return None
+        try:
+            _walk_each(matchers, stops, out, draft, table, limit, common if same_stops else None)
+        finally:
+            release_matchers(token, held)
     manager._portable_spec_unwritten = unwritten
     return out
 
@@ -223,7 +225,6 @@ def _unwritten(drafts: list[list[int]], stride: int) -> list[int]:
 
 
 def _walk_each(
-    native: Any,
     matchers: list[Any],
     stops: list[np.ndarray],
     out: np.ndarray,
@@ -250,7 +251,7 @@ def _walk_each(
             raise MatcherError(c, exc) from exc
         table[c, 3] = 1
     if common is not None:
-        native.repair_chains(out, draft, table, limit, common, 1)
+        compiled.repair_chains(out, draft, table, limit, common, 1)
         return
     for c, stop in enumerate(stops):
-        native.repair_chains(out, draft, table[c : c + 1], limit, stop, 1)
+        compiled.repair_chains(out, draft, table[c : c + 1], limit, stop, 1)

@@ -108,10 +108,10 @@ def _phase_methods(setup: Setup, k: int, regime: str) -> list[Method[Any]]:
         def resolve() -> Any:
             return fresh[0].resolve()
 
+        repair_rows = native.row_repairer(True)  # the compiled function itself, when built
+
         def repair() -> Any:
-            return native.native.repair_rows(  # type: ignore[union-attr]
-                rows, next_token, next_sibling, tokens, vocab, stop_ids, 1, valid
-            )
+            return repair_rows(rows, next_token, next_sibling, tokens, vocab, stop_ids, 1, valid)
 
         batch = ChainBatch([matcher], [list(drafts)], [list(drafts)], [False], 0)
         return {

@@ -88,7 +88,8 @@ def install_wheels(folder: str, site: str) -> dict[str, Any]:
 
 
 def _compile_native(root: str, package: str) -> tuple[bool, str]:
-    """Compile ``_native.c`` into ``package`` with the system C compiler."""
+    """Compile the C helper (``portable_spec/csrc/``, one translation unit) into ``package``
+    with the system C compiler."""
     compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) or shutil.which(
         "cc"
     )
@@ -99,7 +100,7 @@ def _compile_native(root: str, package: str) -> tuple[bool, str]:
         return False, f"no Python.h in {include}"
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     target = os.path.join(package, f"_native{suffix}")
-    source = os.path.join(root, "portable_spec", "_native.c")
+    source = os.path.join(root, "portable_spec", "csrc", "module.c")
     command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", source, "-o", target]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

@@ -1,0 +1,77 @@
+/*
+ * The index kernels of the mask build: plain C over plain arrays, no Python.
+ *
+ * Every kernel bounds each index where it uses it and reads each caller value once, so that
+ * values another thread rewrites meanwhile can give wrong rows but never a read or a write
+ * outside the arrays. Sizes are ptrdiff_t; tokens and links int64; mask rows int32 words
+ * (bit t % 32 of word t / 32 set: token t allowed).
+ *
+ * The rule of a walked row (xgrammar's traverse_draft_tree writes the rows of the nodes it
+ * accepts, zeroes those of the nodes it refuses or that terminate it, leaves the others):
+ * node c, child of a kept node p, is accepted when its token t is in [0, limit) with its bit
+ * set in p's row, and xgrammar did not refuse it. A token in the last word of the row
+ * (t >= 32 * (words - 1)) may lie past the tokenizer's vocabulary (xgrammar sets such bits in
+ * some states but refuses the token): there, a row left all-zero for a token that is not a
+ * stop token is xgrammar's refusal. An accepted node keeps its row unless its token is a stop
+ * token (terminated: no row, no children).
+ */
+#ifndef PORTABLE_SPEC_KERNELS_H
+#define PORTABLE_SPEC_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* 1 when one request's first-child / next-sibling links of n nodes form a verify tree
+   (every link in [-1, n), none into the root, no sibling of the root, at most one link into
+   any node, no cycle, also among nodes the root does not reach), else 0. Scratch: `indegree`
+   and `queue` n int32 each, `seen` n bytes. */
+int ps_links_valid(const int64_t *next_token, const int64_t *next_sibling, ptrdiff_t n,
+                   int32_t *indegree, int32_t *queue, uint8_t *seen);
+
+/* Which nodes of one walked request keep their row (the rule above), breadth first from the
+   root. keep[0..n) gets 0/1; valid (NULL: none) gets the accepted nodes (the root included);
+   returns how many are kept; *checked counts the children of kept nodes, *rejected those
+   refused. root_ok: 1 live, 0 terminated, -1 read off row 0 (any bit set: live). Scratch:
+   `queue` n int32. */
+ptrdiff_t ps_decide_rows(const int32_t *rows, ptrdiff_t n, ptrdiff_t words,
+                         const int64_t *first, const int64_t *next, const int64_t *token,
+                         int64_t limit, const int64_t *stop, ptrdiff_t nstops, int root_ok,
+                         int32_t *queue, uint8_t *keep, uint8_t *valid, ptrdiff_t *checked,
+                         ptrdiff_t *rejected);
+
+/* ps_decide_rows, then every row not kept written all-allowed (-1). Returns rows kept. */
+ptrdiff_t ps_repair_tree(int32_t *rows, ptrdiff_t n, ptrdiff_t words, const int64_t *first,
+                         const int64_t *next, const int64_t *token, int64_t limit,
+                         const int64_t *stop, ptrdiff_t nstops, int root_ok, int32_t *queue,
+                         uint8_t *keep, uint8_t *valid, ptrdiff_t *checked,
+                         ptrdiff_t *rejected);
+
+/* One walked chain of n nodes (tokens chain[0..n), the root first) repaired: rows kept up to
+   the first draft the rule refuses or that is a stop token; every later row all-allowed, or
+   with `repeat` and a refused draft a copy of the row before it (vLLM's rule). flags (NULL:
+   none) gets the accepted nodes. Counts add to *checked and *rejected. */
+void ps_repair_chain(int32_t *rows, const int64_t *chain, ptrdiff_t n, ptrdiff_t words,
+                     int live, int64_t limit, const int64_t *stop, ptrdiff_t nstops,
+                     int repeat, uint8_t *flags, ptrdiff_t *checked, ptrdiff_t *rejected);
+
+/* flags[v] = 1 for every node of one tree a link reaches from its root, else 0. Scratch:
+   `queue` n int32. Links outside [0, n) end a sibling list. */
+void ps_reach(const int64_t *next_token, const int64_t *next_sibling, ptrdiff_t n,
+              int32_t *queue, uint8_t *flags);
+
+/* rows [from, to) of a [*, words] mask all-allowed, and their flags (NULL: none) = flag. */
+void ps_fill_rows(int32_t *rows, ptrdiff_t words, ptrdiff_t from, ptrdiff_t to,
+                  uint8_t *flags, uint8_t flag);
+
+/* dest[i] = source[index[i]] over `common` words, the words of dest past it zeroed, for k
+   rows; an index outside [0, source_rows) gives a zero row. Streaming stores where it can. */
+void ps_take_rows(const int32_t *source, ptrdiff_t source_rows, ptrdiff_t source_words,
+                  const int32_t *index, ptrdiff_t k, int32_t *dest, ptrdiff_t dest_words);
+
+/* Whether `row` (width words) allows `token`, clamped into [0, 32 * width). */
+int ps_row_allows(const int32_t *row, int64_t token, ptrdiff_t width);
+
+/* Nonzero words of `row`, counted up to most + 1. */
+ptrdiff_t ps_nonzero_words(const int32_t *row, ptrdiff_t width, ptrdiff_t most);
+
+#endif
