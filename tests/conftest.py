@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import string
 import sys
@@ -18,7 +17,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import xgrammar as xgr
 
-from portable_spec.testing import compile_sample, load_vocab, smollm2_gguf_path, tokenizer_info
+from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
 
 # The tools (tools/) and the demo (examples/demo/) are not installed: they are imported from the
 # checkout. Appended, so that an installed portable_spec (the device check's) stays first.
@@ -174,26 +173,20 @@ HF_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def hf_tokenizer() -> Any:
     """SmolLM2's tokenizer as ``transformers`` builds it from the GGUF on disk (its own GGUF
     reader, not the demo's): what ``AutoTokenizer.from_pretrained`` gives a user."""
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)
-    )
+    pytest.importorskip("transformers")
+    from portable_spec.testing import hf_tokenizer as from_gguf
+
+    return from_gguf()
 
 
 @pytest.fixture(scope="session")
-def hf_home(hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """An ``HF_HOME`` whose model cache holds :data:`HF_MODEL`'s tokenizer (saved from
-    :func:`hf_tokenizer`), so that ``from_pretrained(HF_MODEL)`` works with
-    ``HF_HUB_OFFLINE=1`` and no network, as on a machine that downloaded it before."""
+def hf_home(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An ``HF_HOME`` whose model cache holds :data:`HF_MODEL`'s tokenizer, made the way the
+    README tells a reader without a model hub (``portable_spec.testing.cache_hf_tokenizer``),
+    so that ``from_pretrained(HF_MODEL)`` works with ``HF_HUB_OFFLINE=1`` and no network."""
+    pytest.importorskip("transformers")
+    from portable_spec.testing import cache_hf_tokenizer
+
     home = tmp_path_factory.mktemp("hf-home")
-    repo = home / "hub" / f"models--{HF_MODEL.replace('/', '--')}"
-    revision = "0" * 40
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    hf_tokenizer.save_pretrained(snapshot)
-    config = {"model_type": "llama", "vocab_size": len(hf_tokenizer)}
-    (snapshot / "config.json").write_text(json.dumps(config))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
+    cache_hf_tokenizer(str(home))
     return str(home)
