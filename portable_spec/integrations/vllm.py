@@ -205,7 +205,9 @@ def set_mode(mode: str) -> bool:
             # vLLM's own fill is serial on the scheduler's thread; worker threads would
             # compete with the engine's own (its CPU backend keeps its cores busy).
             ps.set_num_threads(1)
-    logger.info(
+    # through vLLM's own logger (its handler prints INFO): a library logger without a handler
+    # would keep the line from a user who switched the plugin on by the variable
+    logging.getLogger("vllm.portable_spec").info(
         "portable_spec: grammar_bitmask built by portable_spec (%s, %s rows, vLLM %s)",
         mode,
         layout,
