@@ -176,8 +176,6 @@ def _direct(
     repairs and counts: the Python around it is a few lines, which is what a call costs with
     cold caches. Batches of :data:`jobs.CHAIN_TABLE_PARALLEL_ROWS` rows or more come back
     packed and are walked in parts on the pool."""
-    if not compiled.walks_xgrammar():
-        return None
     ends, active = _NO_ENDS, None
     if reasoning is not None:
         if type(grammars) is not list and type(grammars) is not tuple:
@@ -190,8 +188,8 @@ def _direct(
     parts = jobs.CHAIN_TABLE_PARALLEL_ROWS  # the pool splits them only with threads to spare
     args = (rows_per_request, vocab_size, ends, active, out, return_valid, parts, threshold)
     done = compiled.chain_masks(grammars, drafts, *args)
-    if done is None:
-        lists = _as_lists(drafts)
+    if done is None:  # not a common call, or numpy drafts the compiled call reads as lists
+        lists = None if compiled.native is None else _as_lists(drafts)
         if lists is None:
             return None
         done = compiled.chain_masks(grammars, lists, *args)

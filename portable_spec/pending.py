@@ -57,11 +57,6 @@ def _refuse(index: int) -> ValueError:
     )
 
 
-def pending_builds() -> bool:
-    """Whether any build holds matchers right now."""
-    return bool(_held)
-
-
 def check_not_pending(grammars: Sequence[Any]) -> None:
     """Raise ``ValueError`` if a matcher of ``grammars`` is held by another build (other than
     the ``wait=False`` build the current thread runs). Free when no build holds any."""

@@ -200,3 +200,41 @@ def test_chain_live_agrees_with_numpy(seed):
     with pytest.raises(ValueError, match="tokens"):
         native.chain_live(target, rows, tokens[:, :0].copy() if nodes > 1 else np.zeros((count, 1),
                           np.int64), usable, ended, *engine._SENTINEL, most)  # fmt: skip
+
+
+@compiled_only
+def test_the_compiled_builds_keep_nothing(smollm2):
+    """Thousands of compiled builds (draft lists, host chains, host trees) leave no memory
+    behind: everything a walk allocates (its copies, its times) is freed with it."""
+    import gc
+    import tracemalloc
+
+    import xgrammar as xgr
+
+    import portable_spec as ps
+
+    matchers = [xgr.GrammarMatcher(smollm2.grammars["json_schema"]) for _ in range(3)]
+    chains = np.array([[0, 90, 91]] * 3, np.int64)
+    links = np.array([[1, 2, -1]] * 3), np.full((3, 3), -1)
+    out = np.empty((9, smollm2.words), np.int32)
+
+    def step():
+        ps.build_chain_bitmask(matchers, [[90, 91]] * 3, smollm2.size, out=out)
+        ps.build_host_bitmask(matchers, ps.GrammarTree.from_linear_chain(chains), smollm2.size,
+                              out=out)  # fmt: skip
+        ps.build_host_bitmask(matchers, ps.GrammarTree.from_host(*links, chains), smollm2.size,
+                              out=out)  # fmt: skip
+
+    for _ in range(100):
+        step()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(2000):
+            step()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 16 * 1024, f"{grown} bytes kept by 6000 builds"

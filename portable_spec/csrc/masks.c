@@ -330,7 +330,7 @@ static PyObject *span_masks(PyObject *self, PyObject *args) {
     if (walk_copy_tokens(&w, tokens.view.buf, rows) != 0) goto done;
     int made = build_outputs(&w, out, rows, n, offsets == Py_None ? width : 0, want_valid, &mask,
                              &valid);
-    if (made > 0 && walk_chains_fit(&w, rows))
+    if (made > 0 && walk_spans_fit(&w, rows, 0))
         result = build_walked(&w, mask, valid, rows, threshold);
     else if (made == 0)
         result = Py_NewRef(Py_None);

@@ -132,27 +132,6 @@ done:
     return result;
 }
 
-/* Times of the walk entries (the tally reads them). */
-static int walk_timed(Walk *w) {
-    if ((w->times = PyMem_Calloc((size_t)w->count + 1, sizeof(double))) == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
-
-/* Whether every entry with a chain lies inside the rows (pack_fill's spans always do; this
-   is the walk's own check before it runs). */
-static int walk_chains_fit(const Walk *w, Py_ssize_t nrows) {
-    for (Py_ssize_t c = 0; c < w->count; c++) {
-        const int64_t *s = w->spans + 3 * c;
-        if (s[2] == 0) continue;
-        if (s[0] < 0 || s[1] < 0 || s[2] < 1 || s[0] > nrows - s[2] || s[1] > w->ntokens - s[2])
-            return 0;
-    }
-    return 1;
-}
-
 /* pack_chains' arguments, held. */
 typedef struct {
     Array rows, ends, valid, seconds;
@@ -197,7 +176,7 @@ static PyObject *pack_walked(Walk *w, Pack *p, PyObject *drafts, PyObject *match
     w->flags = a->valid.held ? (uint8_t *)a->valid.view.buf : NULL;
     if (pack_fill(p, w, w->rows, words, w->flags) != 0) return NULL;
     if (w->limit < 0) return pack_table(w, p);
-    if (walk_timed(w) != 0 || !walk_chains_fit(w, p->rows) || walk_run(w) != 0) return NULL;
+    if (walk_timed(w) != 0 || !walk_spans_fit(w, p->rows, 1) || walk_run(w) != 0) return NULL;
     if (a->seconds.held)
         memcpy(a->seconds.view.buf, w->times, sizeof(double) * (size_t)p->n);
     return walk_outcome(w, NULL);
@@ -214,10 +193,7 @@ static PyObject *pack_chains(PyObject *self, PyObject *args) {
                           &active, &rows_obj, &valid_obj, &limit, &stops, &seconds_obj,
                           &repeat, &plain))
         return NULL;
-    if (limit >= 0 && ffi_call == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
-        return NULL;
-    }
+    if (limit >= 0 && ffi_bound() != 0) return NULL;
     Pack p = {0};
     p.stride = stride;
     p.vocab = vocab;

@@ -132,7 +132,7 @@ static PyObject *step_walked(Step *s, PyObject *buffer, Py_ssize_t stride, PyObj
         goto done;
     }
     w.rows = (int32_t *)rows.view.buf;
-    if (pack_fill(&p, &w, w.rows, s->words, NULL) != 0 || !walk_chains_fit(&w, p.rows) ||
+    if (pack_fill(&p, &w, w.rows, s->words, NULL) != 0 || !walk_spans_fit(&w, p.rows, 1) ||
         walk_run(&w) != 0)
         goto done;
     if ((walked = walk_outcome(&w, NULL)) != NULL) result = PyTuple_Pack(3, out, walked, s->drafts);

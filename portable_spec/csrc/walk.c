@@ -30,6 +30,7 @@ typedef struct {
     int32_t *rows;        /* destination [rows, words], held by the entry point */
     uint8_t *flags;       /* destination accepted flags per row, or NULL */
     double *times;        /* destination seconds per entry, or NULL */
+    double *owned_times;  /* walk_timed's, freed with the walk */
     uint8_t *live;        /* WALK_TRAVERSE: per entry, whether its matcher was live */
     Py_ssize_t checked, rejected, failed; /* outcome; failed: the entry xgrammar refused */
     char *error;          /* xgrammar's words when it refused (malloc'd) */
@@ -102,10 +103,23 @@ static int walk_copy_stops(Walk *w, PyObject *stops) {
     return w->stops == NULL ? -1 : 0;
 }
 
-/* Whether every entry's rows lie inside `nrows` rows and its tokens inside the walk's. */
-static int walk_spans_fit(const Walk *w, Py_ssize_t nrows) {
+/* Room for each entry's walk seconds, owned by the walk (the tally reads them): 0, or -1
+   with MemoryError set. */
+static int walk_timed(Walk *w) {
+    if ((w->owned_times = PyMem_Calloc((size_t)w->count + 1, sizeof(double))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    w->times = w->owned_times;
+    return 0;
+}
+
+/* Whether every entry's rows lie inside `nrows` rows and its tokens inside the walk's; with
+   `empty_ok`, an entry of 0 nodes (nothing to walk: a request still reasoning) passes. */
+static int walk_spans_fit(const Walk *w, Py_ssize_t nrows, int empty_ok) {
     for (Py_ssize_t c = 0; c < w->count; c++) {
         const int64_t *s = w->spans + 3 * c;
+        if (empty_ok && s[2] == 0) continue;
         if (s[0] < 0 || s[1] < 0 || s[2] < 1 || s[0] > nrows - s[2] || s[1] > w->ntokens - s[2])
             return 0;
     }
@@ -195,6 +209,7 @@ static void walk_clear(Walk *w) {
     PyMem_Free(w->next_token);
     PyMem_Free(w->next_sibling);
     PyMem_Free(w->stops);
+    PyMem_Free(w->owned_times);
     free(w->error);
     memset(w, 0, sizeof(*w));
 }

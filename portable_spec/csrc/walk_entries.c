@@ -35,10 +35,7 @@ static PyObject *xgrammar_traverse(PyObject *self, PyObject *args) {
     PyObject *matcher, *objs[4];
     if (!PyArg_ParseTuple(args, "OOOOO", &matcher, &objs[0], &objs[1], &objs[2], &objs[3]))
         return NULL;
-    if (ffi_call == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
-        return NULL;
-    }
+    if (ffi_bound() != 0) return NULL;
     static const char *names[3] = {"next_token", "next_sibling", "draft"};
     Array a[4] = {0};
     Walk w;
@@ -101,17 +98,14 @@ static PyObject *walk_table(Walk *w, PyObject *rows_obj, PyObject *spans_obj,
     PyObject *result = NULL;
     Py_ssize_t chains = 0;
     int64_t *sp = NULL;
-    if (ffi_call == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
-        return NULL;
-    }
+    if (ffi_bound() != 0) return NULL;
     if (array_get(rows_obj, &o.rows, 1, 'i', 4, 2, "rows") != 0 ||
         (sp = read_spans(spans_obj, 3, &chains, name)) == NULL || walk_reserve(w, chains) != 0)
         goto done;
     Py_ssize_t nrows = o.rows.view.shape[0];
     w->words = o.rows.view.shape[1];
     for (Py_ssize_t c = 0; c < chains; c++) walk_span(w, c, sp[3 * c], sp[3 * c + 1], sp[3 * c + 2]);
-    if (!walk_spans_fit(w, nrows) || w->limit > (long long)w->words * 32) {
+    if (!walk_spans_fit(w, nrows, 0) || w->limit > (long long)w->words * 32) {
         PyErr_Format(PyExc_ValueError, "%s: spans out of bounds or malformed", name);
         goto done;
     }

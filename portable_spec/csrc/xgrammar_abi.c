@@ -79,14 +79,18 @@ static PyObject *xgrammar_bind(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* 0 when xgrammar's methods are bound, else -1 with a RuntimeError. */
+static int ffi_bound(void) {
+    if (ffi_call != NULL) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
+    return -1;
+}
+
 /* The tvm-ffi argument of the matcher object at `handle` (an address the library took from a
    live matcher it holds): 0, or -1 with a Python error when nothing is bound or the object is
    not a matcher of the bound type. */
 static int ffi_matcher(uintptr_t handle, FfiAny *arg) {
-    if (ffi_call == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "xgrammar's methods are not bound (xgrammar_bind)");
-        return -1;
-    }
+    if (ffi_bound() != 0) return -1;
     FfiObject *object = (FfiObject *)handle;
     if (object == NULL || object->type_index != xgr_matcher_type) {
         PyErr_SetString(PyExc_TypeError, "not the handle of an xgrammar GrammarMatcher");
