@@ -205,14 +205,7 @@ def set_mode(mode: str) -> bool:
             # vLLM's own fill is serial on the scheduler's thread; worker threads would
             # compete with the engine's own (its CPU backend keeps its cores busy).
             ps.set_num_threads(1)
-    # through vLLM's own logger (its handler prints INFO): a library logger without a handler
-    # would keep the line from a user who switched the plugin on by the variable
-    logging.getLogger("vllm.portable_spec").info(
-        "portable_spec: grammar_bitmask built by portable_spec (%s, %s rows, vLLM %s)",
-        mode,
-        layout,
-        vllm.__version__,
-    )
+    logger.debug("portable_spec: vLLM %s patched (%s, %s rows)", vllm.__version__, mode, layout)
     return True
 
 
@@ -226,6 +219,7 @@ def _is_patched() -> bool:
 
 def _patched(original: Callable[..., Any], layout: str) -> Callable[..., Any]:
     every = int(os.environ.get(LOG_EVERY_ENV_VAR, "1000") or 0)
+    announced = []  # the first call says the plugin is on (vLLM's logging is set up by then)
 
     def grammar_bitmask(
         self: Any,
@@ -237,6 +231,14 @@ def _patched(original: Callable[..., Any], layout: str) -> Callable[..., Any]:
         mode = _current["mode"]
         if mode == "off":
             return original(self, *args)
+        if not announced:
+            announced.append(True)
+            logger.info(
+                "portable_spec: grammar_bitmask built by portable_spec (%s, %s rows, vLLM %s)",
+                mode,
+                layout,
+                sys.modules["vllm"].__version__,
+            )
         n = len(structured_output_request_ids)
         with _lock:
             _stats["calls"] += 1
