@@ -17,10 +17,11 @@ around them):
   data-parallel rank) for the mask, since tpu-inference clears it before preparing the mask;
 * ``StructuredDecodingManager.prepare_structured_decoding_input`` maps every logits row to
   the vLLM row of its own request and position (draft targets first, bonus last, padding and
-  unconstrained requests untouched) and uploads vLLM's rows as they are, plus that index;
+  unconstrained requests untouched) and uploads vLLM's rows as they are, with that index, in
+  one int32 ``[rows, 1 + words]`` array (one transfer per step);
 * ``StructuredDecodingManager.structured_decode_fn`` masks the logits in one jitted function
-  whose inputs have static shapes (``[rows]`` index, ``[rows, words]`` packed mask, the
-  logits), so the batch's mix never recompiles it.
+  whose inputs have static shapes (that array and the logits, which it donates: the masked
+  logits take their buffer), so the batch's mix never recompiles it.
 
 Switches: ``PORTABLE_SPEC_VLLM=1`` (or ``on``) through the vLLM plugin's entry point (vLLM
 loads it in tpu-inference's processes too; the runner is patched when tpu-inference imports
@@ -90,8 +91,9 @@ def integration_stats() -> dict[str, int]:
 
 
 def reset_stats() -> None:
-    """Zero this process's counters."""
+    """Zero this process's counters; the once-per-process warnings may be logged again."""
     _stats.update(_new_stats())
+    _warned.clear()
 
 
 def _minor(version: str) -> str:
@@ -259,7 +261,7 @@ def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
 def _prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     def prepare_structured_decoding_input(
         self: Any, logits: Any, grammar_output: Any
-    ) -> tuple[Any, Any, None]:
+    ) -> tuple[Any, None, None]:
         return prepare_rows(self, logits, grammar_output)
 
     prepare_structured_decoding_input.__doc__ = prepare_rows.__doc__
@@ -267,19 +269,21 @@ def _prepare(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    from portable_spec.integrations._tpu_apply import apply_flagged, apply_rows
+    from portable_spec.integrations._tpu_apply import apply_flagged, apply_packed
 
     def structured_decode_fn(
-        self: Any, index_or_flags: Any, bits: Any, logits: Any, arange: Any = None
+        self: Any, packed_or_flags: Any, bits: Any, logits: Any, arange: Any = None
     ) -> Any:
-        """The logits masked per row: ``index_or_flags`` int32 ``[rows]`` (from the patched
-        ``prepare_structured_decoding_input``) or tpu-inference's own bool ``[rows, 1]``
-        flags with aligned rows (its start-up precompilation), ``bits`` int32
-        ``[rows, words]``, ``logits`` ``[rows, vocab]``; ``arange`` is not used. Returns the
-        masked logits without blocking."""
-        if np.dtype(index_or_flags.dtype) == np.bool_:
-            return apply_flagged(index_or_flags, bits, logits)
-        return apply_rows(index_or_flags, bits, logits)
+        """The logits ``[rows, vocab]`` masked per row, from what the patched
+        ``prepare_structured_decoding_input`` returned (``packed_or_flags`` int32
+        ``[rows, 1 + words]``, ``bits`` and ``arange`` None; the logits are donated:
+        tpu-inference's ``sample_tokens`` rebinds them to the result), or from tpu-inference's
+        own inputs (bool ``[rows, 1]`` flags, int32 ``[rows, words]`` aligned rows, as its
+        start-up precompilation passes them; not donated). Returns the masked logits without
+        blocking."""
+        if np.dtype(packed_or_flags.dtype) == np.bool_:
+            return apply_flagged(packed_or_flags, bits, logits)
+        return apply_packed(packed_or_flags, logits)
 
     return structured_decode_fn
 
@@ -290,7 +294,7 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
         logger.warning(message, *args)
 
 
-def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, Any, None]:
+def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, None, None]:
     """The patched ``prepare_structured_decoding_input``: this step's grammar rows, placed.
 
     ``manager``: tpu-inference's ``StructuredDecodingManager``; ``logits``: the step's
@@ -300,12 +304,12 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, A
     ``sample_tokens``): requests per data-parallel rank, their draft counts, the scheduled
     drafts vLLM built the rows for.
 
-    Returns ``(index, bits, None)`` on the runner's mesh (replicated), ready for the patched
-    ``structured_decode_fn``: ``index`` int32 ``[rows]`` (per logits row its packed row, or
-    ``rows`` for a row left as it is), ``bits`` int32 ``[rows, words]`` (vLLM's rows of the
-    batch's requests in vLLM's order; the rows past them are never read). Does not block:
-    the upload is asynchronous, from a pooled host buffer that is reused only once nothing
-    reads it. A structured request missing from the batch has its rows skipped (one
+    Returns ``(packed, None, None)``, ready for the patched ``structured_decode_fn``:
+    ``packed`` int32 ``[rows, 1 + words]`` on the runner's mesh (replicated), column 0 per
+    logits row the packed row that masks it (``rows``: left as it is), columns ``1 ..`` vLLM's
+    rows of the batch's requests in vLLM's order (the rows past them are never read). Does
+    not block: one asynchronous upload, from a pooled host buffer that is reused only once
+    nothing reads it. A structured request missing from the batch has its rows skipped (one
     ``WARNING`` the first time; counted in :func:`integration_stats`).
 
     Raises:
@@ -347,24 +351,25 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, A
             "grammar rows are skipped (counted in integration_stats)",
             list(rows.skipped[:8]),
         )
-    index, bits = _upload(manager, rows, bitmask, num_logits)
+    packed = _upload(manager, rows, bitmask, num_logits)
     _stats["steps"] += 1
     _stats["rows"] += rows.rows
-    return index, bits, None
+    return packed, None, None
 
 
-def _upload(manager: Any, rows: RowMap, bitmask: np.ndarray, num_logits: int) -> tuple[Any, Any]:
-    buffer = _pool.acquire((num_logits, bitmask.shape[1]), np.int32)
+def _upload(manager: Any, rows: RowMap, bitmask: np.ndarray, num_logits: int) -> Any:
+    buffer = _pool.acquire((num_logits, 1 + bitmask.shape[1]), np.int32)
     try:
+        host = buffer.array
+        host[:, 0] = rows.index
         for source, packed, count in rows.spans:
-            buffer.array[packed : packed + count] = bitmask[source : source + count]
+            host[packed : packed + count, 1:] = bitmask[source : source + count]
     except BaseException:
         _pool.release(buffer)
         raise
     # tpu-inference's own upload helper (its device_put, or its multi-host path)
     device_array = sys.modules[MANAGER_MODULE].device_array
-    index, bits = device_array(manager.runner.mesh, (rows.index, _pool.lend(buffer)))
-    return index, bits
+    return device_array(manager.runner.mesh, _pool.lend(buffer))
 
 
 def _layout(

@@ -66,7 +66,7 @@ def misplaced_rows(step: Step, masked: np.ndarray) -> list[str]:
     """Every logits row whose masked values differ from its own request's row at its own
     position applied to the step's logits (rows of unconstrained requests and padding rows:
     from the logits themselves). Returns one description per wrong row."""
-    logits = np.asarray(step.logits)
+    logits = step.logits_host
     expected_by_req = {
         req_id: expected_rows(req) for req_id, req in step.reqs.items() if req.compiled is not None
     }

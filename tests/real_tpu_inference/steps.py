@@ -22,7 +22,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -201,11 +200,14 @@ def _allowed(matcher: Any) -> np.ndarray:
     return ids[ids < VOCAB]
 
 
-def random_request(rng: random.Random, req_id: str, g: Grammars, num_spec: int, kind: str) -> Req:
+def random_request(
+    rng: random.Random, req_id: str, g: Grammars, num_spec: int, kind: str, full: bool = False
+) -> Req:
     """A request in a random state. ``kind``: ``free`` (no grammar), ``prefill`` (a grammar,
-    a prompt being prefilled, no drafts), or a grammar with up to ``num_spec`` drafts that the
-    grammar ``valid``-ly accepts, ``refused`` (the last one refused), ``eos`` (ending in EOS)
-    or ``padded`` (a ``-1`` tail, as vLLM schedules rejected n-gram positions)."""
+    a prompt being prefilled, no drafts), or a grammar with up to ``num_spec`` drafts (with
+    ``full``, ``num_spec`` unless the grammar ends first) that the grammar ``valid``-ly
+    accepts, ``refused`` (the last one refused), ``eos`` (ending in EOS) or ``padded`` (a
+    ``-1`` tail, as vLLM schedules rejected n-gram positions)."""
     import xgrammar as xgr
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
@@ -228,7 +230,7 @@ def random_request(rng: random.Random, req_id: str, g: Grammars, num_spec: int, 
     if kind == "prefill":
         return Req(req_id, compiled, prefix, [], rng.randrange(2, 40), wrapper)
     drafts: list[int] = []
-    length = rng.randrange(num_spec + 1)
+    length = num_spec if full else rng.randrange(num_spec + 1)
     while len(drafts) < length and not matcher.is_terminated():
         allowed = _allowed(matcher).tolist()
         if kind == "eos" and EOS in allowed:
@@ -277,7 +279,8 @@ class Step:
     state: Any  # tpu-inference's ExecuteModelState
     grammar_output: Any  # vLLM's GrammarOutput
     owners: list[tuple[str, int] | None]
-    logits: jax.Array
+    logits: jax.Array  # on the runner's mesh (donated by the patched structured_decode_fn)
+    logits_host: np.ndarray  # the same values, kept for the checks
     input_ids: jax.Array
 
 
@@ -295,6 +298,7 @@ def build_step(
     from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
     from tpu_inference.runner import utils as runner_utils
     from tpu_inference.runner.input_batch import CachedRequestState
+    from tpu_inference.utils import device_array
     from vllm import SamplingParams
     from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, SchedulerOutput
 
@@ -393,7 +397,12 @@ def build_step(
     requests = {r.req_id: vllm_request(r) for r in vllm_order if r.compiled is not None}
     bitmask = _vllm_rows(manager, requests, structured_ids, spec_tokens, mask_source)
     grammar_output = GrammarOutput(structured_ids, bitmask)
-    logits = jnp.asarray(_logits(rng, num_logits, owners, by_id))
+    # on the runner's mesh, as its compute_logits_fn leaves them (and as its precompilation
+    # puts its dummy inputs there)
+    # (a copy: the patched structured_decode_fn donates the logits, and on CPU JAX may use
+    # the numpy memory in place)
+    logits_host = _logits(rng, num_logits, owners, by_id)
+    logits, ids_on_mesh = device_array(runner.mesh, (logits_host.copy(), input_ids))
     sampling = TPUSupportedSamplingMetadata.from_input_batch(
         runner.mesh, ib, padded_num_reqs, req_indices_dp=req_indices_dp
     )
@@ -402,7 +411,7 @@ def build_step(
         attn_metadata=None,
         shared_attn_metadata=None,
         sampling_metadata=sampling,
-        input_ids=jnp.asarray(input_ids),
+        input_ids=ids_on_mesh,
         hidden_states=None,
         logits=logits,
         aux_hidden_states=None,
@@ -413,7 +422,7 @@ def build_step(
         req_ids_dp=req_ids_dp,
         padded_num_scheduled_tokens_per_dp_rank=padded_tokens_per_rank,
     )
-    return Step(runner, by_id, state, grammar_output, owners, logits, jnp.asarray(input_ids))
+    return Step(runner, by_id, state, grammar_output, owners, logits, logits_host, ids_on_mesh)
 
 
 def _vllm_rows(
