@@ -53,6 +53,7 @@ __all__ = [
     "install",
     "integration_stats",
     "is_installed",
+    "prepare_rows",
     "register",
     "reset_stats",
     "uninstall",
