@@ -162,12 +162,17 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: patch vLLM when ``PORTABLE_SPEC_VLLM`` asks.
 
     Runs in every vLLM process at start-up; does nothing (imports nothing of vLLM) while the
-    variable is unset. Idempotent.
+    variable is unset. Idempotent. With ``on``, tpu-inference's runner is patched too where
+    tpu-inference runs (:mod:`portable_spec.integrations.tpu_inference`).
     """
     mode = _mode()
     if mode is None:
         return
     set_mode(mode)
+    if mode == "on":
+        from portable_spec.integrations import tpu_inference
+
+        tpu_inference.register()
 
 
 def set_mode(mode: str) -> bool:
