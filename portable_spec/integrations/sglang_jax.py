@@ -25,7 +25,13 @@ is recognised by their source, logged in one line, and left running sglang-jax's
 * ``GuidanceGrammar.accept_token``: a step's list of accepted tokens advances the matcher
   token by token, exactly as far as verify accepted;
 * ``overlap_utils.resolve_spec_decode_token_ids``: a grammar that ends inside a step's accepted
-  path (its end token) ends the request there; the tokens after it are dropped.
+  path (its end token) ends the request there; the tokens after it are dropped;
+* ``ModelWorkerSamplingInfo.update_grammar_vocab_mask`` (sglang-jax's one-row-per-request mask
+  of non-speculative steps, the prefill of a speculative run): rows of requests without a
+  grammar are all-allowed (sglang-jax leaves them zero, or stale from an earlier batch, so such
+  a request batched with grammar requests could only sample a token from nowhere), and the
+  mask is a private copy (sglang-jax refills one buffer per grammar object for every batch,
+  which the previous batch's device mask may still alias on JAX's CPU backend).
 
 Bad input never crashes a step: a grammar the library refuses, or a tree it finds malformed,
 leaves that request on sglang-jax's own (unmasked) verify for the step, with one log line;
@@ -45,6 +51,12 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec.integrations._sglang_jax_draft import (
+    wrap_draft_forward,
+    wrap_extend,
+    wrap_select,
+    wrap_topk,
+)
 from portable_spec.integrations._sglang_jax_grammar import accept_tokens, truncate_at_grammar_end
 from portable_spec.integrations._sglang_jax_masks import (
     JOB_ATTR,
@@ -63,12 +75,14 @@ __all__ = [
     "installed",
     "integration_stats",
     "reset_stats",
+    "set_drafting",
     "set_timing",
     "uninstall",
 ]
 
 ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX"
 TIMING_ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX_TIMING"
+DRAFTING_ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX_DRAFTING"
 
 logger = logging.getLogger("sgl_jax.portable_spec")
 
@@ -79,6 +93,17 @@ _VERIFY = "sgl_jax.srt.speculative.base_worker:BaseSpecWorker.verify"
 _SAMPLE = "sgl_jax.srt.speculative.eagle_info:EagleVerifyInput.sample"
 _ACCEPT = "sgl_jax.srt.constrained.llguidance_backend:GuidanceGrammar.accept_token"
 _RESOLVE = "sgl_jax.srt.speculative.overlap_utils:resolve_spec_decode_token_ids"
+_DRAFT_MODULE = "sgl_jax.srt.speculative.eagle_draft_worker"
+_TOPK = f"{_DRAFT_MODULE}:topk_probs_from_logits"
+_SELECT = f"{_DRAFT_MODULE}:select_top_k_tokens"
+_DRAFT = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_forward"
+_EXTEND_DECODE = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_extend_for_decode"
+_EXTEND_PREFILL = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_extend_for_prefill"
+_BATCH_MASK = (
+    "sgl_jax.srt.managers.schedule_batch:ModelWorkerSamplingInfo.update_grammar_vocab_mask"
+)
+
+_DRAFTING = [_TOPK, _SELECT, _DRAFT, _EXTEND_DECODE, _EXTEND_PREFILL]
 
 KNOWN_SOURCES: dict[str, dict[str, str]] = {
     "cddbf6f1": {
@@ -86,12 +111,19 @@ KNOWN_SOURCES: dict[str, dict[str, str]] = {
         _SAMPLE: "01b1b99d1f05fdef854ca55c69f1101e8cbf16a3768039c2924dd5ede4eec61e",
         _ACCEPT: "284b5f597b9ef74cfb0fcc53f765b6387806ff1665d912efab0f1bc4fd777111",
         _RESOLVE: "29ff3731e1a69bca5b51b38d756f411b751cc543ead84ac1d477290b96151ced",
+        _BATCH_MASK: "f963ef18e10c8ee8dd9a799ce37bf5bbeaf681d16b23505e9676ed2ba33bcf93",
+        _TOPK: "b1ef7b9a0eba0786d390ebf5b990347f5b8c3df3a77e443be9f5248a7daf3f68",
+        _SELECT: "3b887b12dd35c660a747452f285d9add72299688e90b30e1375106ed0ab09166",
+        _DRAFT: "5ff3fac7cd7c1c2b56184383417cad79c60ae8a83b065bc002e0a8b3d295ee6d",
+        _EXTEND_DECODE: "e9bcbd3ac6e684392e9a91441757a6879b049fe17887567ab0b693ed6f9ec924",
+        _EXTEND_PREFILL: "99d6a281f6a31f1e18ec62908abff2880d9cfc2e6eb1ad65de7b160a1f523df7",
     }
 }
 
 _lock = threading.Lock()
 _patches: dict[str, tuple[Any, str, Any]] = {}  # key -> (owner, attribute, original)
 _timing = {"on": os.environ.get(TIMING_ENV_VAR, "") not in ("", "0")}
+_drafting = {"on": os.environ.get(DRAFTING_ENV_VAR, "1").strip().lower() not in ("0", "off", "no")}
 
 
 def _new_stats() -> dict[str, Any]:
@@ -142,6 +174,14 @@ def integration_stats() -> dict[str, Any]:
     target forward, and the step's verify time). Never blocks on the device."""
     with _lock:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in _stats.items()}
+
+
+def set_drafting(on: bool) -> None:
+    """Grammar-aware drafting on (the default; also ``PORTABLE_SPEC_SGLANG_JAX_DRAFTING=0``
+    for off): the EAGLE draft loop's logits are masked through a ``DraftSession``, so the
+    drafts of grammar requests are tokens their grammar allows. Off: sglang-jax's own drafts
+    (the verify masks are applied either way)."""
+    _drafting["on"] = bool(on)
 
 
 def set_timing(on: bool) -> None:
@@ -195,7 +235,7 @@ def install() -> bool:
     with _lock:
         if _patches:
             return True
-        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE]
+        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE, _BATCH_MASK, *_DRAFTING]
         revision, why = _revision(keys)
         if revision is None:
             logger.warning(
@@ -208,6 +248,12 @@ def install() -> bool:
         _patch(_SAMPLE, _sample)
         _patch(_ACCEPT, _accept_token)
         _patch(_RESOLVE, _resolve_token_ids)
+        _patch(_BATCH_MASK, _batch_mask)
+        _patch(_TOPK, wrap_topk)
+        _patch(_SELECT, wrap_select)
+        _patch(_DRAFT, lambda original: wrap_draft_forward(original, lambda: _drafting["on"]))
+        _patch(_EXTEND_DECODE, lambda original: wrap_extend(original, "draft_extend_for_decode"))
+        _patch(_EXTEND_PREFILL, lambda original: wrap_extend(original, "draft_extend_for_prefill"))
     logger.info(
         "portable_spec: grammar masks on sglang-jax's speculative verify (sglang-jax %s)", revision
     )
@@ -364,6 +410,25 @@ def _resolve_token_ids(original: Callable[..., Any]) -> Callable[..., Any]:
         return tokens, accept_lens
 
     return resolve_spec_decode_token_ids
+
+
+def _batch_mask(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_grammar_vocab_mask(self: Any) -> Any:
+        result = original(self)
+        mask = getattr(self, "vocab_mask", None)
+        if mask is not None and self.grammars:
+            # a private copy: sglang-jax refills one buffer per grammar object for every batch,
+            # and on JAX's CPU backend the previous batch's device mask may alias it
+            mask = np.array(mask, copy=True)
+            free = np.ones(len(mask), dtype=bool)
+            for i, grammar in enumerate(self.grammars[: len(mask)]):
+                if grammar and not grammar.finished and not grammar.is_terminated():
+                    free[i] = False
+            mask[free] = -1  # rows sglang-jax leaves zero (or stale): nothing was allowed
+            self.vocab_mask = mask
+        return result
+
+    return update_grammar_vocab_mask
 
 
 def _finish_request(req: Any, token: int) -> None:

@@ -4,6 +4,14 @@ part of the library).
 * sglang-jax's native attention (the CPU backend) pads the KV cache's head dimension to a
   multiple of 128 and returns attention outputs of that width; SmolLM2's heads are 64 wide, so
   the output projection fails. The output is cut back to the query's head dimension.
+* SmolLM2 ties its output head to its embeddings; an EAGLE-3 drafter asks the target for its
+  head: the embeddings are returned.
+* Native attention has none of the EAGLE metadata calls and treats a target verify batch as a
+  decode batch. With speculation on, the engine gets :class:`EagleNativeAttention` instead:
+  the target's verify attends exactly (each draft node to the request's cached prefix and to
+  its ancestors in the tree: sglang-jax's own tree mask, causal for chains), and the draft
+  head attends to its own token only. The drafts are noise either way (a random-weight
+  head): what is checked is the target's verification, which is exact.
 
 ``activate()`` applies the patches when the patched modules are imported, in this process;
 ``PORTABLE_SPEC_SGLANG_JAX_CPU_HARNESS=1`` with ``tests/real_sglang_jax/harness_site`` on
@@ -93,7 +101,12 @@ def _flash_attention_on_cpu(module: Any) -> None:
     cls._get_attention_backend = _get_attention_backend
 
 
-_after["sgl_jax.srt.model_executor.model_runner"] = _flash_attention_on_cpu
+def _model_runner(module: Any) -> None:
+    _flash_attention_on_cpu(module)
+    _eagle_on_native(module)
+
+
+_after["sgl_jax.srt.model_executor.model_runner"] = _model_runner
 
 
 def _tpu_block_sizes(module: Any) -> None:
@@ -106,6 +119,218 @@ def _tpu_block_sizes(module: Any) -> None:
 
 
 _after["sgl_jax.srt.kernels.ragged_paged_attention.ragged_paged_attention_v3"] = _tpu_block_sizes
+
+
+def _eagle_native_attention() -> Any:
+    """The class (made on first use: it subclasses sglang-jax's native attention)."""
+    global _EAGLE_CLASS
+    if _EAGLE_CLASS is not None:
+        return _EAGLE_CLASS
+    from dataclasses import dataclass
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from jax.tree_util import register_pytree_node_class
+    from sgl_jax.srt.layers.attention.native_backend import NativeAttention
+    from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+    @register_pytree_node_class
+    @dataclass
+    class VerifyMetadata:
+        """Target verify: per request the KV slots it reads ``[bs, K]``, per draft token the
+        keys it may attend ``[bs * q, K]`` and the slot its own KV goes to ``[bs * q]``."""
+
+        kv_slots: Any = None
+        kv_mask: Any = None
+        write_slots: Any = None
+        custom_mask: Any = None  # written by sglang-jax's draft padding; not read
+
+        def tree_flatten(self) -> Any:
+            return (self.kv_slots, self.kv_mask, self.write_slots), {}
+
+        @classmethod
+        def tree_unflatten(cls, aux: Any, children: Any) -> Any:
+            return cls(*children)
+
+    class EagleNativeAttention(NativeAttention):  # a pytree: nnx registers its subclasses
+        def __init__(self, num_attn_heads: int, num_kv_heads: int, mesh: Any, is_draft: bool):
+            super().__init__(num_attn_heads, num_kv_heads, mesh)
+            self.is_draft = is_draft
+            self.forward_metadata = nnx.data(VerifyMetadata())
+
+        def get_forward_metadata(self, batch: Any) -> Any:
+            return VerifyMetadata()
+
+        def get_eagle_base_metadata(self, batch: Any) -> Any:
+            return VerifyMetadata()
+
+        def get_eagle_multi_step_metadata(self, batch: Any) -> Any:
+            return [VerifyMetadata() for _ in range(batch.speculative_num_steps)]
+
+        def get_eagle_forward_metadata(self, batch: Any, **_: Any) -> Any:
+            if self.is_draft or batch.forward_mode != ForwardMode.TARGET_VERIFY:
+                return VerifyMetadata()
+            spec = batch.spec_info_padded
+            q = int(spec.draft_token_num)
+            prefix = np.asarray(batch.seq_lens, dtype=np.int64)  # cached tokens, root excluded
+            bs = len(prefix)
+            table = _RUNNERS[id(self)].req_to_token_pool.req_to_token
+            pools = np.asarray(batch.req_pool_indices, dtype=np.int64)
+            width = int(prefix.max()) + q if bs else q
+            slots = np.zeros((bs, width), np.int32)
+            mask = np.zeros((bs * q, width), bool)
+            write = np.full(bs * q, -1, np.int32)
+            tree = (
+                None if spec.custom_mask is None else np.asarray(jax.device_get(spec.custom_mask))
+            )
+            offset = 0
+            for b in range(bs):
+                p = int(prefix[b])
+                rows = slice(b * q, (b + 1) * q)
+                if p <= 0 or pools[b] < 0:  # a padding slot: attends key 0 only
+                    mask[rows, 0] = True
+                    offset += q * (q - 1)
+                    continue
+                slots[b, : p + q] = table[pools[b], : p + q]
+                write[rows] = table[pools[b], p : p + q]
+                if tree is None:  # a chain: causal over the drafts
+                    block = np.tril(np.ones((q, q), bool))
+                    mask[rows, :p] = True
+                    mask[rows, p : p + q] = block
+                else:  # sglang-jax's full tree mask: q rows of (prefix + q) entries
+                    block = tree[offset : offset + q * (p + q)].reshape(q, p + q).astype(bool)
+                    mask[rows, : p + q] = block
+                    offset += q * (p + q)
+            return VerifyMetadata(jnp.asarray(slots), jnp.asarray(mask), jnp.asarray(write))
+
+        def __call__(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+                     token_to_kv_pool: Any, **kwargs: Any) -> Any:  # fmt: skip
+            mode = forward_batch.forward_mode
+            if self.is_draft and mode != ForwardMode.EXTEND:
+                return self._own_token(q, v, layer, token_to_kv_pool)
+            if mode == ForwardMode.TARGET_VERIFY:
+                return self._verify(q, k, v, layer, forward_batch, token_to_kv_pool)
+            return super().__call__(q, k, v, layer, forward_batch, token_to_kv_pool, **kwargs)
+
+        def _own_token(self, q: Any, v: Any, layer: Any, pool: Any) -> Any:
+            heads = q.shape[1] if q.ndim == 3 else self.num_heads
+            values = v.reshape(v.shape[0], -1, v.shape[-1])
+            out = jnp.repeat(
+                values, heads // values.shape[1], axis=1, out_sharding=self.kv_sharding
+            )
+            return out.reshape(out.shape[0], -1), pool.get_fused_kv_buffer(layer.layer_id)
+
+        def _verify(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+                    pool: Any) -> Any:  # fmt: skip
+            from types import SimpleNamespace
+
+            meta = self.forward_metadata
+            target = SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND, out_cache_loc=meta.write_slots
+            )
+            keys, values, fused = self._get_and_update_kv_cache(k, v, target, pool, layer.layer_id)
+            tokens = q.shape[0]
+            heads = self.num_heads
+            q3 = q.reshape(tokens, heads, -1)
+            head_dim = q3.shape[-1]
+            padded = keys.shape[-1]
+            if padded != head_dim:
+                q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, padded - head_dim)))
+            nodes = tokens // meta.kv_slots.shape[0]
+            request = jnp.arange(tokens) // nodes
+            slots = meta.kv_slots[request]  # [T, K]
+            kk = keys[slots]  # [T, K, kv_heads, d]
+            vv = values[slots]
+            repeat = heads // kk.shape[2]
+            spread = NamedSharding(self.mesh, P(None, None, "tensor", None))
+            kk = jnp.repeat(kk, repeat, axis=2, out_sharding=spread)
+            vv = jnp.repeat(vv, repeat, axis=2, out_sharding=spread)
+            scale = layer.scaling if layer.scaling is not None else 1.0 / np.sqrt(layer.head_dim)
+            logits = jnp.einsum("thd,tkhd->thk", q3, kk).astype(jnp.float32) * scale
+            logits = jnp.where(meta.kv_mask[:, None, :], logits, -jnp.inf)
+            weights = jax.nn.softmax(logits, axis=-1).astype(vv.dtype)
+            out = jnp.einsum("thk,tkhd->thd", weights, vv)[..., :head_dim]
+            return out.reshape(tokens, heads * head_dim), fused
+
+    _EAGLE_CLASS = EagleNativeAttention
+    return _EAGLE_CLASS
+
+
+_EAGLE_CLASS: Any = None
+_RUNNERS: dict[int, Any] = {}
+
+
+def _eagle_on_native(module: Any) -> None:
+    """With speculation on, native attention becomes :class:`EagleNativeAttention`."""
+    cls = module.ModelRunner
+    original = cls._get_attention_backend
+    if getattr(original, "_harness_eagle", False):
+        return
+
+    def _get_attention_backend(self: Any) -> Any:
+        backend = original(self)
+        if type(backend).__name__ == "NativeAttention" and self.server_args.speculative_algorithm:
+            backend = _eagle_native_attention()(
+                backend.num_heads, backend.num_kv_heads, backend.mesh, bool(self.is_draft_worker)
+            )
+            _RUNNERS[id(backend)] = self  # host side: the model runner's req_to_token pool
+        return backend
+
+    _get_attention_backend._harness_eagle = True
+    cls._get_attention_backend = _get_attention_backend
+
+
+def _kv_accounting(module: Any) -> None:
+    """sglang-jax's EAGLE-3 path without the overlap schedule leaves one KV slot per finished
+    request allocated (seen with and without grammars, with the integration on or off); its
+    idle-time check then raises and stops the engine. The check's message is logged instead."""
+    cls = module.Scheduler
+    original = cls.check_memory
+    if getattr(original, "_harness", False):
+        return
+
+    def check_memory(self: Any) -> Any:
+        try:
+            return original(self)
+        except ValueError as exc:
+            if "memory leak" not in str(exc):
+                raise
+            import logging
+
+            logging.getLogger("sgl_jax.harness").warning("sglang-jax's KV check: %s", exc)
+            return None
+
+    check_memory._harness = True
+    cls.check_memory = check_memory
+
+
+_after["sgl_jax.srt.managers.scheduler"] = _kv_accounting
+
+
+def _tree_draft_mask(module: Any) -> None:
+    """sglang-jax's tree drafting (topk > 1) asks ``build_tree_mask_for_draft_decode`` for the
+    first step's mask with ``parents_list=None``, which it refuses (``len(None)``): trees never
+    reach their first draft step. The first step has no parents to read: it gets a list with
+    that one (unread) entry."""
+    original = module.build_tree_mask_for_draft_decode
+    if getattr(original, "_harness", False):
+        return
+
+    def build_tree_mask_for_draft_decode(seq_lens: Any, topk: int, speculative_step_id: int,
+                                         parents_list: Any) -> Any:  # fmt: skip
+        if parents_list is None and speculative_step_id == 0:
+            parents_list = [None]
+        return original(seq_lens, topk, speculative_step_id, parents_list)
+
+    build_tree_mask_for_draft_decode._harness = True
+    module.build_tree_mask_for_draft_decode = build_tree_mask_for_draft_decode
+
+
+_after["sgl_jax.srt.speculative.eagle_draft_worker"] = _tree_draft_mask
 
 
 class _Finder(importlib.abc.MetaPathFinder):

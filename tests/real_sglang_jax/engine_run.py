@@ -2,8 +2,9 @@
 
 Usage: ``python engine_run.py OUT.json [CONFIG_JSON]``. ``CONFIG_JSON`` keys: ``engine``
 (extra ``Engine`` arguments: speculative settings, ``enable_single_process``...), ``install``
-(call the integration's ``install()`` in this process: single-process engines), ``repeat``
-(generate calls), ``max_new_tokens``. The integration's switch is the environment
+(call the integration's ``install()`` in this process: single-process engines), ``drafting``
+(one generate call per entry, grammar-aware drafting on or off), ``timing``,
+``max_new_tokens``, ``cases`` or ``case_indices``. The integration's switch is the environment
 (``PORTABLE_SPEC_SGLANG_JAX``), as a user sets it. Writes per request the output token ids,
 text and finish reason, and (single-process engines) the integration's counters.
 """
@@ -29,12 +30,24 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
+# A second schema: sglang-jax hands requests with the same grammar, compiled concurrently, one
+# shared grammar object (its matcher then advances for both), so every request gets its own.
+PET = {
+    "type": "object",
+    "properties": {
+        "pet": {"enum": ["cat", "dog", "owl"]},
+        "name": {"type": "string", "maxLength": 12},
+        "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+    },
+    "required": ["pet", "name", "legs"],
+    "additionalProperties": False,
+}
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
 CASES = [
     {"prompt": "A person described as JSON: ", "json_schema": json.dumps(SCHEMA)},
     {"prompt": "The date of the meeting, as YYYY-MM-DD: ", "regex": DATE},
     {"prompt": "Once upon a time", "constraint": None},
-    {"prompt": "Another person, as JSON: ", "json_schema": json.dumps(SCHEMA)},
+    {"prompt": "A pet, as JSON: ", "json_schema": json.dumps(PET)},
 ]
 
 
@@ -81,18 +94,23 @@ def main(out_path: str, config: dict) -> None:
     engine = Engine(**kwargs)
     report: dict = {"start_s": time.perf_counter() - started, "runs": []}
     max_new = int(config.get("max_new_tokens", 48))
-    cases = CASES[: int(config.get("cases", len(CASES)))]
-    for _ in range(int(config.get("repeat", 1))):
+    cases = [
+        CASES[i] for i in config.get("case_indices", range(int(config.get("cases", len(CASES)))))
+    ]
+    drafting = config.get("drafting", [True] * int(config.get("repeat", 1)))
+    for draft_masks in drafting:
         if config.get("install"):
             from portable_spec.integrations import sglang_jax
 
             sglang_jax.reset_stats()
+            sglang_jax.set_drafting(bool(draft_masks))
         t0 = time.perf_counter()
         outs = engine.generate(
             prompt=[c["prompt"] for c in cases],
             sampling_params=[sampling_params(c, max_new) for c in cases],
         )
         run = {
+            "drafting": bool(draft_masks),
             "seconds": time.perf_counter() - t0,
             "ids": [o["output_ids"] for o in outs],
             "texts": [o["text"] for o in outs],
