@@ -2,8 +2,9 @@
 # Create .venv-sglang-jax (once): sglang-jax at commit cddbf6f1 from its source archive (Python
 # 3.12, its CPU JAX pins: jax 0.10.2, llguidance 1.3), this library installed into it without
 # touching those pins (a regular install: its portable_spec_sglang_jax.pth switch is shipped as
-# users get it), and SmolLM2-135M as a model directory (.sglang-jax/smollm2), converted from the
-# shipped GGUF with numpy. Re-installs the library when its sources changed. No model hub.
+# users get it), SmolLM2-135M as a model directory (.sglang-jax/smollm2), converted from the
+# shipped GGUF with numpy, and a random-weight EAGLE-3 draft head for it
+# (.sglang-jax/eagle3-draft). Re-installs the library when its sources changed. No model hub.
 #
 # The archive: $SGLANG_JAX_ARCHIVE, else ../shared/third_party/ beside the checkout. The
 # interpreter: $PYTHON_SGLANG_JAX, else python3.12 (or pyenv's 3.12).
@@ -67,4 +68,9 @@ fi
 if [ ! -f .sglang-jax/smollm2/model.safetensors ]; then
   rm -rf .sglang-jax/smollm2 .sglang-jax/smollm2.tmp
   "$py" scripts/smollm2_safetensors.py .sglang-jax/smollm2
+fi
+# A random-weight EAGLE-3 draft head for it (the engine runs' drafter).
+if [ ! -f .sglang-jax/eagle3-draft/model.safetensors ]; then
+  rm -rf .sglang-jax/eagle3-draft .sglang-jax/eagle3-draft.tmp
+  "$py" scripts/smollm2_eagle3_draft.py .sglang-jax/smollm2 .sglang-jax/eagle3-draft
 fi

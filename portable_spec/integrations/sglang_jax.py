@@ -57,10 +57,17 @@ from portable_spec.integrations._sglang_jax_draft import (
     wrap_select,
     wrap_topk,
 )
+from portable_spec.integrations._sglang_jax_fused import (
+    fused_verify_builder,
+    logits_processor,
+    run_batch,
+    spec_decode_verify,
+)
 from portable_spec.integrations._sglang_jax_grammar import accept_tokens, truncate_at_grammar_end
 from portable_spec.integrations._sglang_jax_masks import (
     JOB_ATTR,
     MaskJob,
+    active_matcher,
     apply_mask,
     commit_accepted,
     slot_grammars,
@@ -104,6 +111,11 @@ _BATCH_MASK = (
 )
 
 _DRAFTING = [_TOPK, _SELECT, _DRAFT, _EXTEND_DECODE, _EXTEND_PREFILL]
+_RUN_BATCH = "sgl_jax.srt.managers.scheduler:Scheduler.run_batch"
+_BUILD_VERIFY = "sgl_jax.srt.speculative.draft_extend_fused:_build_verify"
+_FUSED_VERIFY = "sgl_jax.srt.speculative.draft_extend_fused:spec_decode_verify"
+_LOGITS = "sgl_jax.srt.layers.logits_processor:LogitsProcessor.__call__"
+_OVERLAP = [_RUN_BATCH, _BUILD_VERIFY, _FUSED_VERIFY, _LOGITS]
 
 KNOWN_SOURCES: dict[str, dict[str, str]] = {
     "cddbf6f1": {
@@ -117,6 +129,10 @@ KNOWN_SOURCES: dict[str, dict[str, str]] = {
         _DRAFT: "5ff3fac7cd7c1c2b56184383417cad79c60ae8a83b065bc002e0a8b3d295ee6d",
         _EXTEND_DECODE: "e9bcbd3ac6e684392e9a91441757a6879b049fe17887567ab0b693ed6f9ec924",
         _EXTEND_PREFILL: "99d6a281f6a31f1e18ec62908abff2880d9cfc2e6eb1ad65de7b160a1f523df7",
+        _RUN_BATCH: "6b98849c88691ce1638cccafe764f201bdcbc4f04255182214297b8575031d46",
+        _BUILD_VERIFY: "82a66ae915e3ded259e5b34ca267c15adaaa3ac5127c5b4d4ed2b56a7336c57b",
+        _FUSED_VERIFY: "4378280faa8cccff80a0173a57e39b659e3c2f0da7b60bf8e445a572faa9fb20",
+        _LOGITS: "5c35a2eab05d7b360e74418c77c2768a7a5e34aa4bb18d7402cf3e18edd8baa9",
     }
 }
 
@@ -129,6 +145,7 @@ _drafting = {"on": os.environ.get(DRAFTING_ENV_VAR, "1").strip().lower() not in 
 def _new_stats() -> dict[str, Any]:
     return {
         "verify_steps": 0,
+        "grammar_steps": 0,  # verify steps with a grammar request in the batch
         "masked_steps": 0,
         "masked_rows": 0,
         "refused_requests": 0,
@@ -138,6 +155,8 @@ def _new_stats() -> dict[str, Any]:
         "waited_s": [],  # per masked step: time sample() waited for the build
         "exposed_s": [],  # timing mode: mask time not hidden behind the target forward
         "step_s": [],  # timing mode: verify() wall time of the masked steps
+        "fused_steps": 0,  # overlap schedule: fused verify steps with a grammar request
+        "fused_build_s": [],  # their mask's staging and build, before the launch
     }
 
 
@@ -165,7 +184,8 @@ def reset_stats() -> None:
 
 def integration_stats() -> dict[str, Any]:
     """A snapshot of this process's counters: ``verify_steps`` (patched verifies run),
-    ``masked_steps`` and ``masked_rows`` (steps and mask rows with a grammar),
+    ``grammar_steps`` (those with a grammar request), ``masked_steps`` and ``masked_rows``
+    (steps and mask rows built; the fused steps of the overlap schedule included),
     ``refused_requests`` (requests left unmasked for a step), ``grammar_ends`` (requests
     whose grammar ended inside a step's accepted path), ``accepted_tokens`` and
     ``constrained_verifies`` (tokens committed per constrained request and step, bonus
@@ -235,7 +255,7 @@ def install() -> bool:
     with _lock:
         if _patches:
             return True
-        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE, _BATCH_MASK, *_DRAFTING]
+        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE, _BATCH_MASK, *_DRAFTING, *_OVERLAP]
         revision, why = _revision(keys)
         if revision is None:
             logger.warning(
@@ -254,6 +274,10 @@ def install() -> bool:
         _patch(_DRAFT, lambda original: wrap_draft_forward(original, lambda: _drafting["on"]))
         _patch(_EXTEND_DECODE, lambda original: wrap_extend(original, "draft_extend_for_decode"))
         _patch(_EXTEND_PREFILL, lambda original: wrap_extend(original, "draft_extend_for_prefill"))
+        _patch(_RUN_BATCH, lambda original: run_batch(original, _batch_has_grammar))
+        _patch(_BUILD_VERIFY, lambda original: fused_verify_builder(original, _refused, _fused))
+        _patch(_FUSED_VERIFY, spec_decode_verify)
+        _patch(_LOGITS, logits_processor)
     logger.info(
         "portable_spec: grammar masks on sglang-jax's speculative verify (sglang-jax %s)", revision
     )
@@ -353,6 +377,7 @@ def _mask_logits(spec_info: Any, job: MaskJob, logits_output: Any) -> None:
     if mask is not None:
         logits_output.next_token_logits = apply_mask(logits, mask, job.vocab_size)
     with _lock:
+        _stats["grammar_steps"] += 1
         _stats["refused_requests"] += len(job.refused)
         if mask is not None:
             _stats["masked_steps"] += 1
@@ -429,6 +454,36 @@ def _batch_mask(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return update_grammar_vocab_mask
+
+
+def _batch_has_grammar(batch: Any) -> bool:
+    """Whether a request of an sglang-jax ``ScheduleBatch`` has an active grammar."""
+    return any(
+        active_matcher(getattr(req, "grammar", None)) is not None
+        for info in batch.reqs_info
+        for req in info.reqs or []
+    )
+
+
+def _refused(slot: int, error: Exception) -> None:
+    logger.warning(
+        "portable_spec: verify slot %d keeps sglang-jax's unmasked verify this step: %s",
+        slot,
+        error,
+    )
+    with _lock:
+        _stats["refused_requests"] += 1
+
+
+def _fused(seconds: float, mask: Any) -> None:
+    """One fused (overlap schedule) verify step's mask: staged and built before the launch."""
+    with _lock:
+        _stats["fused_steps"] += 1
+        _stats["grammar_steps"] += 1
+        _stats["fused_build_s"].append(seconds)
+        if mask is not None:
+            _stats["masked_steps"] += 1
+            _stats["masked_rows"] += int(mask.shape[0])
 
 
 def _finish_request(req: Any, token: int) -> None:

@@ -80,22 +80,32 @@ def _wrap_scheduler(module: ModuleType) -> None:
 
 
 class _SchedulerFinder(importlib.abc.MetaPathFinder):
-    """Finds sglang-jax's scheduler module through the other finders and wraps its loader."""
+    """Finds sglang-jax's scheduler module through the other finders and wraps its loader.
+
+    While it asks them, it answers nothing itself: another finder that also asks the finders
+    of ``sys.meta_path`` (an import hook of the same kind) would otherwise ask it back, and
+    the two would recurse without end."""
+
+    _searching = threading.local()
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != SCHEDULER_MODULE:
+        if fullname != SCHEDULER_MODULE or getattr(self._searching, "on", False):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
+        self._searching.on = True
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _Loader(spec.loader)
+                    return spec
+            return None
+        finally:
+            self._searching.on = False
 
 
 class _Loader(importlib.abc.Loader):

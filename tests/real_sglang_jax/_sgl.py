@@ -84,6 +84,15 @@ def grammar(kind: str, prefix: Sequence[int] = ()) -> Any:
     return g
 
 
+def oracle_for(case: dict) -> Oracle | None:
+    """The reference of an engine_run case's constraint (None: unconstrained)."""
+    for key, kind in (("json_schema", "json"), ("regex", "regex")):
+        if key in case:
+            g = backend()._dispatch(kind, case[key])
+            return Oracle.of(g, [])
+    return None
+
+
 def encode(text: str) -> list[int]:
     return list(hf_tokenizer().encode(text, add_special_tokens=False))
 

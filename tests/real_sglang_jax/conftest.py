@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -21,3 +23,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{checked['requests']} request-steps, {checked['rows']} tree nodes, "
             f"{checked['tokens']} committed tokens checked"
         )
+
+
+@pytest.fixture(scope="session")
+def spawned(tmp_path_factory):
+    """sglang-jax's engine launched with ``PORTABLE_SPEC_SGLANG_JAX=1`` (its scheduler in the
+    process it spawns), non-speculative: the reference of the speculative runs."""
+    pytest.importorskip("sgl_jax")
+    from _engine import MAX_NEW_TOKENS, launch
+
+    report, log, code = launch(
+        tmp_path_factory.mktemp("spawned"),
+        {"max_new_tokens": MAX_NEW_TOKENS},
+        {"PORTABLE_SPEC_SGLANG_JAX": "1"},
+    )
+    if report is None:
+        pytest.fail(f"engine run failed ({code}):\n{log[-6000:]}")
+    return report, log

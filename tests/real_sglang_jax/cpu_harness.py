@@ -6,6 +6,11 @@ part of the library).
   the output projection fails. The output is cut back to the query's head dimension.
 * SmolLM2 ties its output head to its embeddings; an EAGLE-3 drafter asks the target for its
   head: the embeddings are returned.
+* After a tree verify, sglang-jax keeps each draft node's KV at the slot of the node's index
+  (``req_to_token[request, prefix + node]``), but the next step reads the accepted path's KV at
+  ``prefix + depth``: for a path other than the first nodes, the target then attends to the
+  wrong tokens. The request's slots in that window are reordered so that depth ``j`` holds the
+  accepted node ``j`` (a permutation of its own slots; page size 1, as on CPU).
 * Native attention has none of the EAGLE metadata calls and treats a target verify batch as a
   decode batch. With speculation on, the engine gets :class:`EagleNativeAttention` instead:
   the target's verify attends exactly (each draft node to the request's cached prefix and to
@@ -23,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -308,7 +314,86 @@ def _kv_accounting(module: Any) -> None:
     cls.check_memory = check_memory
 
 
-_after["sgl_jax.srt.managers.scheduler"] = _kv_accounting
+_trees: dict[int, tuple] = {}  # batch id -> the verify tree of that step (host arrays)
+
+
+def _keep_tree(module: Any) -> None:
+    cls = module.EagleVerifyInput
+    original = cls.prepare_for_verify
+    if getattr(original, "_harness", False):
+        return
+
+    def prepare_for_verify(self: Any, model_worker_batch: Any) -> Any:
+        result = original(self, model_worker_batch)
+        if self.retrive_next_sibling is not None and self.custom_mask is not None:
+            import numpy as np
+
+            bs, n = np.asarray(self.retrive_next_token).shape
+            _trees[int(model_worker_batch.bid)] = (
+                np.asarray(self.retrive_next_token),
+                np.asarray(self.retrive_next_sibling),
+                np.asarray(self.draft_token).reshape(bs, n),
+                np.asarray(model_worker_batch.seq_lens).copy(),  # the cached prefix
+                np.asarray(model_worker_batch.req_pool_indices).copy(),
+            )
+        return result
+
+    prepare_for_verify._harness = True
+    cls.prepare_for_verify = prepare_for_verify
+
+
+_after["sgl_jax.srt.speculative.eagle_info"] = _keep_tree
+
+
+def _accepted_kv(scheduler: Any, result: Any) -> None:
+    """Reorder the request's slots after a tree verify: depth ``j`` gets accepted node ``j``."""
+    import numpy as np
+
+    tree = _trees.pop(int(result.bid), None)
+    if tree is None or result.next_token_ids is None or result.accept_lens is None:
+        return
+    next_token, next_sibling, draft, prefix, pools = tree
+    tokens = np.asarray(result.next_token_ids).reshape(-1)
+    lengths = np.asarray(result.accept_lens).reshape(-1)
+    table = scheduler.req_to_token_pool.req_to_token
+    bs, n = draft.shape
+    for b in range(min(bs, len(lengths))):
+        if prefix[b] <= 0 or pools[b] < 0:
+            continue
+        path, node = [0], 0
+        for j in range(int(lengths[b]) - 1):
+            child = int(next_token[b, node])
+            while child != -1 and int(draft[b, child]) != int(tokens[b * n + j]):
+                child = int(next_sibling[b, child])
+            if child == -1:
+                break
+            path.append(child)
+            node = child
+        if path == list(range(len(path))):
+            continue
+        p = int(prefix[b])
+        old = np.array(table[pools[b], p : p + n])
+        rest = [i for i in range(n) if i not in path]
+        table[pools[b], p : p + n] = old[path + rest]
+
+
+def _kv_accounting_and_trees(module: Any) -> None:
+    _kv_accounting(module)
+    cls = module.Scheduler
+    original = cls.process_batch_result_decode
+    if getattr(original, "_harness", False):
+        return
+
+    def process_batch_result_decode(self: Any, batch: Any, result: Any, *args: Any) -> Any:
+        if result is not None:
+            _accepted_kv(self, result)
+        return original(self, batch, result, *args)
+
+    process_batch_result_decode._harness = True
+    cls.process_batch_result_decode = process_batch_result_decode
+
+
+_after["sgl_jax.srt.managers.scheduler"] = _kv_accounting_and_trees
 
 
 def _tree_draft_mask(module: Any) -> None:
@@ -334,18 +419,24 @@ _after["sgl_jax.srt.speculative.eagle_draft_worker"] = _tree_draft_mask
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    _searching = threading.local()  # no answer while asking the others (they may ask back)
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _after:
+        if fullname not in _after or getattr(self._searching, "on", False):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader, _after[fullname])
-                return spec
-        return None
+        self._searching.on = True
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None:
+                        spec.loader = _Loader(spec.loader, _after[fullname])
+                    return spec
+            return None
+        finally:
+            self._searching.on = False
 
 
 class _Loader(importlib.abc.Loader):
