@@ -28,13 +28,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.fixture(scope="session")
 def spawned(tmp_path_factory):
     """sglang-jax's engine launched with ``PORTABLE_SPEC_SGLANG_JAX=1`` (its scheduler in the
-    process it spawns), non-speculative: the reference of the speculative runs."""
+    process it spawns), non-speculative: the reference of the speculative runs, which run
+    without the overlap schedule, as it does (sglang-jax's EAGLE on CPU)."""
     pytest.importorskip("sgl_jax")
     from _engine import MAX_NEW_TOKENS, launch
 
     report, log, code = launch(
         tmp_path_factory.mktemp("spawned"),
-        {"max_new_tokens": MAX_NEW_TOKENS},
+        {"max_new_tokens": MAX_NEW_TOKENS, "engine": {"disable_overlap_schedule": True}},
         {"PORTABLE_SPEC_SGLANG_JAX": "1"},
     )
     if report is None:
