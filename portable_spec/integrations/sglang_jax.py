@@ -31,7 +31,14 @@ is recognised by their source, logged in one line, and left running sglang-jax's
   grammar are all-allowed (sglang-jax leaves them zero, or stale from an earlier batch, so such
   a request batched with grammar requests could only sample a token from nowhere), and the
   mask is a private copy (sglang-jax refills one buffer per grammar object for every batch,
-  which the previous batch's device mask may still alias on JAX's CPU backend).
+  which the previous batch's device mask may still alias on JAX's CPU backend);
+* the EAGLE draft loop (``EagleDraftWorker.draft_forward``, its draft extends,
+  ``topk_probs_from_logits``, ``select_top_k_tokens``): grammar-aware drafting through a
+  :class:`portable_spec.DraftSession` (:mod:`._sglang_jax_draft`; ``set_drafting``);
+* the overlap schedule's fused verify (``draft_extend_fused._build_verify`` and
+  ``spec_decode_verify``, ``LogitsProcessor.__call__``, ``Scheduler.run_batch``): the mask is
+  a static-shape input of the jitted step, and a step with grammar requests waits for the
+  previous step's tokens to reach the grammars (:mod:`._sglang_jax_fused`).
 
 Bad input never crashes a step: a grammar the library refuses, or a tree it finds malformed,
 leaves that request on sglang-jax's own (unmasked) verify for the step, with one log line;
