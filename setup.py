@@ -1,8 +1,29 @@
 """Build of the optional C helper; all other metadata lives in pyproject.toml."""
 
 import glob
+import os
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+# The sglang-jax integration's switch (portable_spec/integrations/sglang_jax_hook.py): a .pth
+# file at the root of site-packages, which Python runs in every process.
+PTH = "portable_spec_sglang_jax.pth"
+
+
+class BuildPy(build_py):
+    """build_py that also puts the .pth file at the root of the wheel (site-packages)."""
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file(os.path.join("portable_spec", "integrations", PTH), self._pth())
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), self._pth()]
+
+    def _pth(self) -> str:
+        return os.path.join(self.build_lib, PTH)
+
 
 try:  # numpy's C API reads and makes arrays without a buffer export (csrc/arrays.c)
     import numpy
@@ -12,6 +33,7 @@ except ImportError:  # the buffer protocol only
     numpy_headers = {}
 
 setup(
+    cmdclass={"build_py": BuildPy},
     ext_modules=[
         # GIL-free index work of the builder and xgrammar's walks. Optional: without a
         # compiler the install proceeds and the numpy/Python fallbacks are used. One
@@ -24,5 +46,5 @@ setup(
             optional=True,
             **numpy_headers,
         )
-    ]
+    ],
 )

@@ -4,7 +4,7 @@ Every block is compiled, then executed in a namespace of its own (as if it were 
 its own: only what it imports or defines exists), one after the other in this process; one
 JSON line per block goes to OUT: ``{"line", "status": "passed" | "failed" | "compiled",
 "detail"}``. A block whose first line is ``# needs: cuda``, ``# needs: tpu``,
-``# needs: multi-host`` or ``# needs: vllm`` is only compiled where that is missing here ("compiled", with the
+``# needs: multi-host``, ``# needs: vllm`` or ``# needs: sglang-jax`` is only compiled where that is missing here ("compiled", with the
 reason).
 """
 
@@ -16,7 +16,7 @@ import sys
 import traceback
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host|vllm)\b")
+NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host|vllm|sglang-jax)\b")
 
 
 def blocks(text: str) -> list[tuple[int, str]]:
@@ -38,6 +38,11 @@ def missing(need: str) -> str | None:
         import importlib.util
 
         return None if importlib.util.find_spec("vllm") else "needs vLLM (scripts/setup-vllm.sh)"
+    if need == "sglang-jax":
+        import importlib.util
+
+        found = importlib.util.find_spec("sgl_jax")
+        return None if found else "needs sglang-jax (scripts/setup-sglang-jax.sh)"
     return "needs several hosts"
 
 
