@@ -485,6 +485,44 @@ for _ in range(200):
     fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
 print("ok")
 """,
+    "vllm_guidance_objects_changed_while_read": """
+from types import SimpleNamespace
+from portable_spec import testing
+from portable_spec.integrations import _vllm_guidance
+tokenizer = testing.llguidance_tokenizer()
+words = (V + 31) // 32
+drafts = [grammar_chain(4, seed) for seed in range(4)]
+class GuidanceGrammar:  # its attribute reads empty the step's containers and draft lists
+    def __init__(self, matcher):
+        self.ll_matcher = matcher
+        self.ll_tokenizer = tokenizer
+    @property
+    def terminated(self):
+        for tokens in spec.values():
+            tokens.clear()
+        ids.clear()
+        requests.clear()
+        return False
+_vllm_guidance._eos[id(tokenizer)] = (tokenizer, tokenizer.eos_token)
+buffer = np.zeros((64, words), np.int32)
+def step():
+    global spec, ids, requests
+    spec = {f"r{i}": list(tokens) for i, tokens in enumerate(drafts)}
+    ids = list(spec)
+    requests = {
+        rid: SimpleNamespace(structured_output_request=SimpleNamespace(
+            _grammar=GuidanceGrammar(testing.llguidance_matcher("json_schema"))))
+        for rid in ids
+    }
+    fn = native.vllm_guidance
+    fn(requests, ids, spec, {GuidanceGrammar}, _vllm_guidance._eos, buffer, 0)
+def disturb():  # another thread rewriting the drafts while llguidance holds no GIL
+    for tokens in list(spec.values()):
+        tokens[:] = [-7] * 9
+step()
+race(step, disturb, 60)
+print("ok")
+""",
 }
 
 

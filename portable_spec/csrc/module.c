@@ -12,6 +12,7 @@
  *   pack.c           draft lists packed into a walk; pack_chains
  *   masks.c          chain_masks, span_masks, tree_masks
  *   vllm.c           vllm_chains, read from vLLM's objects
+ *   guidance.c       vllm_guidance: vLLM's guidance step, one llguidance call per request
  *   module.c         the module table
  *
  * The rule every entry keeps: every Python object and buffer the C reads without the GIL is
@@ -46,8 +47,9 @@
 #include "pack.c"
 #include "masks.c"
 #include "vllm.c"
+#include "guidance.c"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -87,6 +89,9 @@ static PyMethodDef methods[] = {
     {"vllm_chains", vllm_chains, METH_VARARGS,
      "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends) -> "
      "(rows used, walked, drafts) or None (GIL released to walk)."},
+    {"vllm_guidance", vllm_guidance, METH_VARARGS,
+     "vllm_guidance(requests, ids, spec_tokens, wrapper_types, end_tokens, rows, stride) -> "
+     "(rows used, unwritten rows) or None."},
     {"chain_masks", chain_masks, METH_VARARGS,
      "chain_masks(grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
      "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None."},
