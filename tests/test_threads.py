@@ -485,6 +485,28 @@ for _ in range(200):
     fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
 print("ok")
 """,
+    "llguidance_inputs_rewritten_while_walked": """
+from portable_spec import testing
+matchers = [testing.llguidance_matcher("json_schema") for _ in range(4)]
+tokens = np.array([[0] + grammar_chain(7, seed) for seed in range(4)], dtype=np.int64)
+links = np.tile(np.array([1, 2, 3, 4, 5, 6, 7, -1], dtype=np.int64), (4, 1))
+siblings = np.full((4, 8), -1, dtype=np.int64)
+ps.build_host_bitmask(matchers, ps.GrammarTree.from_host(links, siblings, tokens), V)
+grammars = list(matchers)
+def step():  # the small build reads these arrays and this list in place
+    try:
+        ps.build_host_bitmask(grammars, ps.GrammarTree.from_host(links, siblings, tokens), V)
+    except (ValueError, TypeError, ps.MatcherError):
+        pass
+def disturb():  # while llguidance computes a mask without the GIL
+    links[:, 3] = 99
+    tokens[:, 2] = -5
+    grammars[1] = None
+    links[:, 3] = 4
+    grammars[1] = matchers[1]
+race(step, disturb, 80)
+print("ok")
+""",
     "vllm_guidance_objects_changed_while_read": """
 from types import SimpleNamespace
 from portable_spec import testing

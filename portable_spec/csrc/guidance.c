@@ -18,8 +18,7 @@
    from the moment it is read, the drafts are copied before the first call, and the matchers
    are held in the held table for the whole step. */
 
-static PyObject *s_ll_matcher, *s_ll_tokenizer, *s_terminated, *s_fill_chain, *s_fill_row,
-    *s_try_consume, *s_is_stopped, *s_is_error, *s_rollback;
+static PyObject *s_ll_matcher, *s_ll_tokenizer, *s_terminated, *s_fill_chain;
 
 /* What vllm_guidance read of the step: per request its matcher (a reference in the walk;
    none for a terminated wrapper), end token and drafts (copied back to back). */
@@ -48,13 +47,8 @@ static int intern_guidance_names(void) {
     INTERN(s_ll_tokenizer, "ll_tokenizer");
     INTERN(s_terminated, "terminated");
     INTERN(s_fill_chain, "unsafe_compute_mask_ptr_with_draft_token");
-    INTERN(s_fill_row, "unsafe_compute_mask_ptr");
-    INTERN(s_try_consume, "try_consume_tokens");
-    INTERN(s_is_stopped, "is_stopped");
-    INTERN(s_is_error, "is_error");
-    INTERN(s_rollback, "rollback");
 #undef INTERN
-    return 0;
+    return intern_llguidance_names();
 }
 
 /* The end token of `tokenizer` from `ends` (id(tokenizer) -> (tokenizer, end token), made by
@@ -152,35 +146,6 @@ static int gstep_read_all(GStep *s, PyObject *ids, PyObject *requests, PyObject 
         if (!ok) return 0;
     }
     return s->n > 0;
-}
-
-/* A new list of the ints chain[0..n). */
-static PyObject *int_list(const int64_t *chain, Py_ssize_t n) {
-    PyObject *list = PyList_New(n);
-    for (Py_ssize_t i = 0; list != NULL && i < n; i++) {
-        PyObject *t = PyLong_FromLongLong(chain[i]);
-        if (t == NULL) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, i, t);
-    }
-    return list;
-}
-
-/* matcher.name(*args): the result as an int64 (bools 0/1) into *out (NULL: ignored). 0, or -1
-   with an error set (a result that is not an int is a TypeError). */
-static int call_int(PyObject *matcher, PyObject *name, PyObject *const *args, size_t nargs,
-                    int64_t *out) {
-    PyObject *stack[4] = {matcher, NULL, NULL, NULL};
-    for (size_t i = 0; i < nargs && i < 3; i++) stack[i + 1] = args[i];
-    PyObject *result = PyObject_VectorcallMethod(name, stack, 1 + nargs, NULL);
-    if (result == NULL) return -1;
-    int ok = 0;
-    if (out != NULL) {
-        if (PyBool_Check(result)) *out = result == Py_True;
-        else if (exact_int(result, out) != 0) ok = -1;
-    }
-    Py_DECREF(result);
-    if (ok != 0) PyErr_SetString(PyExc_TypeError, "llguidance returned a non-integer");
-    return ok;
 }
 
 /* How many of chain[0..p) the matcher consumes, and whether it is then stopped; it ends where
