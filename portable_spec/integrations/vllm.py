@@ -357,6 +357,7 @@ def _inner_matcher(grammar: Any) -> Any:
 
 
 _warned: set[str] = set()
+_announced: set[str] = set()  # the short paths whose use was logged
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:
@@ -447,6 +448,13 @@ def _guidance(
     got = guidance_rows(self, requests, ids, spec_tokens, stride_k, buffer)
     if got is None:
         return None
+    if "guidance" not in _announced:  # the library's chain build is slower than this fill
+        _announced.add("guidance")
+        logger.info(
+            "portable_spec: guidance chains written by llguidance's own chain fill "
+            "(unsafe_compute_mask_ptr_with_draft_token, one call per request), vLLM's row "
+            "rule for guidance on top"
+        )
     out, self._portable_spec_unwritten = got
     return out
 
