@@ -25,6 +25,14 @@ walk_chains         chains of xgrammar matchers walked and       none: taken onl
 walk_trees          repaired in one call (or trees)              walks_xgrammar()
 pack_chains         draft lists packed, walked                   None: the caller's path
 vllm_chains         vLLM's step read from its objects, walked    None: the plugin's path
+vllm_guidance       vLLM's guidance step, one llguidance call    None: the plugin's path
+                    per request
+llguidance_walk     one request's walk of an llguidance          None: the Python walk
+                    matcher, its methods called from C
+llguidance_walks    the same for a batch, straight into the      none: taken only when the
+                    mask's rows                                  helper is in use
+llguidance_masks    a small host build of llguidance matchers    None: the general build
+                    in one call
 chain_masks         build_chain_bitmask's common call            None: the general build
 span_masks          small chain trees over host tokens           None: the general build
 tree_masks          small host trees                             None: the general build
@@ -81,6 +89,9 @@ __all__ = [
     "configure",
     "keep_rows",
     "links_valid",
+    "llguidance_masks",
+    "llguidance_walk",
+    "llguidance_walks",
     "native",
     "pack_chains",
     "repair_chains",
@@ -93,6 +104,7 @@ __all__ = [
     "tree_masks",
     "use",
     "vllm_chains",
+    "vllm_guidance",
     "walk_chains",
     "walk_trees",
     "walks_xgrammar",
@@ -104,7 +116,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 def _load() -> ModuleType | None:
@@ -150,6 +162,10 @@ span_masks: Callable[..., Any] = _decline
 tree_masks: Callable[..., Any] = _decline
 pack_chains: Callable[..., Any] = _decline
 vllm_chains: Callable[..., Any] = _decline
+vllm_guidance: Callable[..., Any] = _decline
+llguidance_walk: Callable[..., Any] = _decline
+llguidance_walks: Callable[..., Any] = _missing
+llguidance_masks: Callable[..., Any] = _decline
 walk_chains: Callable[..., Any] = _missing
 walk_trees: Callable[..., Any] = _missing
 repair_chains: Callable[..., Any] = _missing
@@ -159,6 +175,10 @@ _COMPILED_ONLY = {
     "tree_masks": _decline,
     "pack_chains": _decline,
     "vllm_chains": _decline,
+    "vllm_guidance": _decline,
+    "llguidance_walk": _decline,
+    "llguidance_walks": _missing,
+    "llguidance_masks": _decline,
     "walk_chains": _missing,
     "walk_trees": _missing,
     "repair_chains": _missing,

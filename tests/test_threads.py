@@ -485,6 +485,66 @@ for _ in range(200):
     fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
 print("ok")
 """,
+    "llguidance_inputs_rewritten_while_walked": """
+from portable_spec import testing
+matchers = [testing.llguidance_matcher("json_schema") for _ in range(4)]
+tokens = np.array([[0] + grammar_chain(7, seed) for seed in range(4)], dtype=np.int64)
+links = np.tile(np.array([1, 2, 3, 4, 5, 6, 7, -1], dtype=np.int64), (4, 1))
+siblings = np.full((4, 8), -1, dtype=np.int64)
+ps.build_host_bitmask(matchers, ps.GrammarTree.from_host(links, siblings, tokens), V)
+grammars = list(matchers)
+def step():  # the small build reads these arrays and this list in place
+    try:
+        ps.build_host_bitmask(grammars, ps.GrammarTree.from_host(links, siblings, tokens), V)
+    except (ValueError, TypeError, ps.MatcherError):
+        pass
+def disturb():  # while llguidance computes a mask without the GIL
+    links[:, 3] = 99
+    tokens[:, 2] = -5
+    grammars[1] = None
+    links[:, 3] = 4
+    grammars[1] = matchers[1]
+race(step, disturb, 80)
+print("ok")
+""",
+    "vllm_guidance_objects_changed_while_read": """
+from types import SimpleNamespace
+from portable_spec import testing
+from portable_spec.integrations import _vllm_guidance
+tokenizer = testing.llguidance_tokenizer()
+words = (V + 31) // 32
+drafts = [grammar_chain(4, seed) for seed in range(4)]
+class GuidanceGrammar:  # its attribute reads empty the step's containers and draft lists
+    def __init__(self, matcher):
+        self.ll_matcher = matcher
+        self.ll_tokenizer = tokenizer
+    @property
+    def terminated(self):
+        for tokens in spec.values():
+            tokens.clear()
+        ids.clear()
+        requests.clear()
+        return False
+_vllm_guidance._eos[id(tokenizer)] = (tokenizer, tokenizer.eos_token)
+buffer = np.zeros((64, words), np.int32)
+def step():
+    global spec, ids, requests
+    spec = {f"r{i}": list(tokens) for i, tokens in enumerate(drafts)}
+    ids = list(spec)
+    requests = {
+        rid: SimpleNamespace(structured_output_request=SimpleNamespace(
+            _grammar=GuidanceGrammar(testing.llguidance_matcher("json_schema"))))
+        for rid in ids
+    }
+    fn = native.vllm_guidance
+    fn(requests, ids, spec, {GuidanceGrammar}, _vllm_guidance._eos, buffer, 0)
+def disturb():  # another thread rewriting the drafts while llguidance holds no GIL
+    for tokens in list(spec.values()):
+        tokens[:] = [-7] * 9
+step()
+race(step, disturb, 60)
+print("ok")
+""",
 }
 
 

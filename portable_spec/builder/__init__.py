@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.builder import small
+from portable_spec.builder import small, small_llguidance
 from portable_spec.builder.compact import build_compact
 from portable_spec.builder.dense import build_dense
 from portable_spec.builder.jobs import Build, per_node
 from portable_spec.builder.reasoning import build_with_reasoning, check_reasoning
-from portable_spec.grammars import NONE, classify_grammars
+from portable_spec.grammars import LLGUIDANCE, NONE, _kind_by_type, classify_grammars
 from portable_spec.masks import (
     check_compact_out,
     check_dense_out,
@@ -112,9 +112,11 @@ def build_host_bitmask(
     if reasoning is None and layout == "dense" and max_rows is None:
         # the common small call: one compiled call over the caller's arrays, else small chains
         # in Python (see small.py); None from either when anything is unusual
-        done = None if tree._inplace is None else small.in_place(
-            grammars, tree, vocab_size, out, return_valid
-        )  # fmt: skip
+        done = None
+        if tree._inplace is not None:
+            llg = type(grammars) in (list, tuple) and grammars and _llguidance(grammars[0])
+            quick = small_llguidance.in_place if llg else small.in_place
+            done = quick(grammars, tree, vocab_size, out, return_valid)
         if done is None and (tree._chain or tree._packed):
             done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
         if done is not None:
@@ -164,6 +166,11 @@ def build_host_bitmask(
         )  # fmt: skip
     finally:
         release_matchers(token, held)
+
+
+def _llguidance(g: Any) -> bool:
+    """Whether ``g`` is a matcher whose type the library knows as llguidance's."""
+    return _kind_by_type.get(type(g)) == LLGUIDANCE
 
 
 def _build_held(

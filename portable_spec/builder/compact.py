@@ -158,6 +158,9 @@ class _CompactRows:
     ) -> Job:
         return partial(_llguidance_chains_job, group, width, draft, self.vocab_size, self, counts)
 
+    def llguidance_walks(self, build: Build, requests: list[int], counts: np.ndarray) -> Job | None:
+        return None  # walked request by request into scratch blocks (their kept rows committed)
+
     def split_block(self, b: int, info: MatcherInfo) -> np.ndarray:
         block = self._split_blocks[b] = np.empty((self.nodes, info.words), dtype=np.int32)
         return block

@@ -129,6 +129,24 @@ class _DenseRows:
         )  # fmt: skip
         return partial(fill_llguidance_named, fill, group)
 
+    def llguidance_walks(self, build: Build, requests: list[int], counts: np.ndarray) -> Job | None:
+        words = self.mask.shape[1]
+        if native.native is None or any(build.infos[b].words != words for b in requests):  # type: ignore[union-attr]
+            return None
+        next_token, next_sibling, draft = build.arrays
+        width = draft.shape[1]
+        spans = np.array(
+            [(self.spans[b][0], b * width, self.spans[b][1]) for b in requests], dtype=np.int64
+        )
+        chain = build.tree.is_chain or build.tree.is_packed
+        links = (None, None) if chain else (next_token.reshape(-1), next_sibling.reshape(-1))
+        matchers = [build.grammars[b] for b in requests]
+        limit = min(self.vocab_size, 32 * words)
+        return partial(
+            _llguidance_walks_job, self.mask, links, draft.reshape(-1), spans, matchers, limit,
+            chain, counts, requests, self.live,
+        )  # fmt: skip
+
     def split_block(self, b: int, info: MatcherInfo) -> np.ndarray:
         return self._rows(b, None)[0]
 
@@ -137,6 +155,31 @@ class _DenseRows:
     ) -> tuple[int, int]:
         block, flags = self._rows(b, self.accepted)
         return native.repair_rows(block, links, limit, info.stop_ids, live, flags)
+
+
+def _llguidance_walks_job(
+    mask: np.ndarray,
+    links: tuple[np.ndarray | None, np.ndarray | None],
+    draft: np.ndarray,
+    spans: np.ndarray,
+    matchers: list[Any],
+    limit: int,
+    chain: bool,
+    counts: np.ndarray,
+    requests: list[int],
+    live: np.ndarray | None,
+) -> None:
+    """Walk llguidance requests in one compiled call (the Python walk's rules, the matchers'
+    methods called from C) straight into their rows of ``mask``; the rows they do not fill
+    all-allowed, ``live`` marking the filled ones; their counts into ``counts``. A matcher
+    that raises is named by its request (every matcher back in its state)."""
+    walked = np.zeros((len(requests), 2), dtype=np.int64)
+    failed, error = native.llguidance_walks(
+        mask, links[0], links[1], draft, spans, matchers, limit, chain, walked, live, None
+    )
+    if failed >= 0:
+        raise MatcherError(requests[failed], error) from error
+    counts[requests] = walked
 
 
 def _allow_all(block: np.ndarray, accepted: np.ndarray) -> None:

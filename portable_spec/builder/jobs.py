@@ -122,6 +122,11 @@ class RowSink(Protocol):
         wide) in one executor call."""
         ...
 
+    def llguidance_walks(self, build: Build, requests: list[int], counts: np.ndarray) -> Job | None:
+        """The job walking the llguidance ``requests`` of ``build`` in one compiled call
+        (their counts into ``counts``), or None: each is then a :meth:`python_walk`."""
+        ...
+
     def split_block(self, b: int, info: MatcherInfo) -> np.ndarray:
         """The ``[nodes, width]`` rows the pieces of split request ``b`` walk into."""
         ...
@@ -206,12 +211,18 @@ def plan_jobs(
     walks: list[tuple[int, Job]] = []  # Python walks: they hold the GIL
     constrained_rows = 0
     llguidance = [b for b, kind in enumerate(kinds) if kind == LLGUIDANCE]
-    executor = chains and len(llguidance) >= LLGUIDANCE_EXECUTOR_MIN_REQUESTS
-    if executor and llguidance:  # llguidance's executor fills chains in parallel itself
+    grouped = chains and len(llguidance) >= LLGUIDANCE_EXECUTOR_MIN_REQUESTS
+    if grouped and llguidance:  # llguidance's executor fills chains in parallel itself
         for width in sorted({infos[b].words for b in llguidance}):  # type: ignore[union-attr]
             group = {b: grammars[b] for b in llguidance if infos[b].words == width}  # type: ignore[union-attr]
             jobs.append(sink.llguidance_chains(group, width, draft, counts))
             owners.append(next(iter(group)))
+    elif llguidance:  # walked in one compiled call where the sink can
+        job = sink.llguidance_walks(build, llguidance, counts)
+        grouped = job is not None
+        if job is not None:
+            jobs.append(job)
+            owners.append(llguidance[0])
     for b, kind in enumerate(kinds):
         n = spans[b][1]
         if kind == NONE:
@@ -221,7 +232,7 @@ def plan_jobs(
                 owners.append(b)
             continue
         constrained_rows += n
-        if kind == LLGUIDANCE and executor:
+        if kind == LLGUIDANCE and grouped:
             continue
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
         limit = min(vocab_size, info.vocab_size)

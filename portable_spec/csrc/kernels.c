@@ -238,3 +238,28 @@ ptrdiff_t ps_nonzero_words(const int32_t *row, ptrdiff_t width, ptrdiff_t most) 
     for (ptrdiff_t w = 0; w < width && count <= most; w++) count += row[w] != 0;
     return count;
 }
+
+void ps_guidance_tail(int32_t *rows, ptrdiff_t words, const int64_t *drafts, ptrdiff_t m,
+                      ptrdiff_t p, ptrdiff_t c, int stopped, int64_t eos) {
+    if (m < 0 || p < 0 || p > m || c < 0 || c > p) return;
+    for (ptrdiff_t j = 0; j < c; j++) {
+        if (drafts[j] == eos) { /* consumed: terminated from the next row on */
+            ps_fill_rows(rows, words, j + 1, m + 1, NULL, 0);
+            return;
+        }
+    }
+    ptrdiff_t repeat_to = c; /* rows (c, repeat_to] repeat row c */
+    ptrdiff_t free_from = p + 1;
+    if (stopped && c < p) {
+        ptrdiff_t e = c;
+        while (e < p && drafts[e] != eos) e++;
+        repeat_to = e;
+        free_from = e + 1;
+    } else if (c < p) {
+        repeat_to = m;
+        free_from = m + 1;
+    }
+    for (ptrdiff_t r = c + 1; r <= repeat_to; r++)
+        copy_row(rows + r * words, rows + c * words, words);
+    ps_fill_rows(rows, words, free_from, m + 1, NULL, 0);
+}

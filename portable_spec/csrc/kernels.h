@@ -68,6 +68,15 @@ void ps_fill_rows(int32_t *rows, ptrdiff_t words, ptrdiff_t from, ptrdiff_t to,
 void ps_take_rows(const int32_t *source, ptrdiff_t source_rows, ptrdiff_t source_words,
                   const int32_t *index, ptrdiff_t k, int32_t *dest, ptrdiff_t dest_words);
 
+/* vLLM's rows of one guidance request after its chain was walked (llguidance wrote rows 0..c,
+   the masks after 0..c drafts): rows [0, m] of `rows`, drafts[0..m) its drafts (-1 padding
+   from index p on), c of them consumed; `stopped`: the matcher was stopped (grammar complete)
+   after them. After a consumed end token every later row is all-allowed; once the grammar is
+   complete the rows repeat row c up to an offered end token, all-allowed after it; after a
+   refused draft they repeat row c; after the padding they are all-allowed. */
+void ps_guidance_tail(int32_t *rows, ptrdiff_t words, const int64_t *drafts, ptrdiff_t m,
+                      ptrdiff_t p, ptrdiff_t c, int stopped, int64_t eos);
+
 /* Whether `row` (width words) allows `token`, clamped into [0, 32 * width). */
 int ps_row_allows(const int32_t *row, int64_t token, ptrdiff_t width);
 

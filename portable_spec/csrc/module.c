@@ -12,6 +12,9 @@
  *   pack.c           draft lists packed into a walk; pack_chains
  *   masks.c          chain_masks, span_masks, tree_masks
  *   vllm.c           vllm_chains, read from vLLM's objects
+ *   llguidance.c     llguidance_walk: an llguidance matcher's walk, its methods called from C
+ *   llguidance_entries.c  llguidance_walks, llguidance_masks: batches of them
+ *   guidance.c       vllm_guidance: vLLM's guidance step, one llguidance call per request
  *   module.c         the module table
  *
  * The rule every entry keeps: every Python object and buffer the C reads without the GIL is
@@ -46,8 +49,11 @@
 #include "pack.c"
 #include "masks.c"
 #include "vllm.c"
+#include "llguidance.c"
+#include "llguidance_entries.c"
+#include "guidance.c"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -87,6 +93,18 @@ static PyMethodDef methods[] = {
     {"vllm_chains", vllm_chains, METH_VARARGS,
      "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends) -> "
      "(rows used, walked, drafts) or None (GIL released to walk)."},
+    {"llguidance_walk", llguidance_walk, METH_VARARGS,
+     "llguidance_walk(matcher, next_token, next_sibling, draft, rows, limit, chain) -> (filled, "
+     "checked, rejected)."},
+    {"llguidance_walks", llguidance_walks, METH_VARARGS,
+     "llguidance_walks(rows, next_token, next_sibling, tokens, spans, matchers, limit, chain, "
+     "counts, live, accepted) -> (failed, error)."},
+    {"llguidance_masks", llguidance_masks, METH_VARARGS,
+     "llguidance_masks(grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid, "
+     "matcher_type, widths, threshold) -> (mask, valid, failed, error, slow) or None."},
+    {"vllm_guidance", vllm_guidance, METH_VARARGS,
+     "vllm_guidance(requests, ids, spec_tokens, wrapper_types, end_tokens, rows, stride) -> "
+     "(rows used, unwritten rows) or None."},
     {"chain_masks", chain_masks, METH_VARARGS,
      "chain_masks(grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
      "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None."},

@@ -48,7 +48,9 @@ __all__ = [
     "check_llmatcher",
     "ended",
     "fill_llguidance_chains",
+    "held_facts",
     "is_llmatcher",
+    "llguidance_info",
     "probe_llguidance",
     "take_token",
     "walk_llguidance",
@@ -98,6 +100,19 @@ def probe_llguidance(matcher: Any, model_words: int) -> MatcherInfo:
     info = MatcherInfo(words=words, vocab_size=32 * words)
     _cache.put(matcher, info)
     return info
+
+
+def held_facts() -> dict[int, tuple[Any, MatcherInfo]]:
+    """The probe cache's table of the matchers it holds (``id(matcher) -> (matcher,
+    facts)``: ``LLMatcher`` takes no weak reference), which the compiled small build reads
+    (:func:`portable_spec.native.llguidance_masks`). Do not modify it."""
+    return _cache._held
+
+
+def llguidance_info(matcher: Any) -> MatcherInfo | None:
+    """What :func:`probe_llguidance` found about ``matcher``, or None when it has not probed
+    it (moves nothing, calls nothing of llguidance)."""
+    return _cache.get(matcher)
 
 
 def _width_candidates(matcher: Any, model_words: int) -> list[int]:
@@ -171,7 +186,11 @@ def walk_llguidance(
 ) -> tuple[list[bool], int, int]:
     """Fill ``rows`` for one request of an ``LLMatcher`` by the shared iterative walk
     (:func:`portable_spec.engines.walk.walk_tree`: same arguments after ``matcher``, same
-    result). The matcher is rolled back to where it started, also when it raises."""
+    result). The matcher is rolled back to where it started, also when it raises. The
+    compiled helper runs the same walk with the matcher's methods called from C."""
+    done = compiled.llguidance_walk(matcher, next_token, next_sibling, draft, rows, vocab_limit, 0)
+    if done is not None:
+        return done
     steps = _LLSteps(matcher, rows)
     return walk_tree(steps, next_token, next_sibling, draft, rows, vocab_limit)
 
@@ -186,7 +205,11 @@ def walk_llguidance_chain(
 ) -> tuple[list[bool], int, int]:
     """:func:`walk_llguidance` for one chain (node ``i``'s only child is ``i + 1``; the links
     are not read), by :func:`portable_spec.engines.walk.walk_chain`: the same rows, counts
-    and guarantees in a plain per-token loop, as an engine's own loop runs."""
+    and guarantees in a plain per-token loop, as an engine's own loop runs (in C with the
+    compiled helper)."""
+    done = compiled.llguidance_walk(matcher, None, None, draft, rows, vocab_limit, 1)
+    if done is not None:
+        return done
     return walk_chain(_LLSteps(matcher, rows), draft, rows, vocab_limit)
 
 

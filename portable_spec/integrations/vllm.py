@@ -29,7 +29,11 @@ What the plugin builds, and what it leaves to vLLM:
 * The common step (every request an xgrammar grammar the library has seen, no reasoning
   parser, no ``-1`` padding) takes a short path (``_vllm_fast``): the whole step in one
   compiled call (GIL released) that walks every request with xgrammar straight into vLLM's
-  buffer and repairs its rows; anything else goes through the checked path below.
+  buffer and repairs its rows. A step whose requests are all guidance (llguidance) grammars,
+  without a reasoning parser, takes guidance's short path (``_vllm_guidance``): one
+  llguidance call per request writes its chain, with vLLM's rule for that backend (a draft
+  is consumed when llguidance's parser takes it). Anything else goes through the checked
+  path below.
 * Reasoning models: each request's reasoning bounds come from vLLM's own
   ``_get_constraint_bounds`` (its per-request reasoner), so the rows follow vLLM's rule for
   every parser it has; the library's chain starts where vLLM's grammar starts.
@@ -52,6 +56,7 @@ import numpy as np
 
 import portable_spec as ps
 from portable_spec.integrations._vllm_fast import fast_rows, may_reason
+from portable_spec.integrations._vllm_guidance import guidance_rows
 
 __all__ = [
     "ENV_VAR",
@@ -352,6 +357,7 @@ def _inner_matcher(grammar: Any) -> Any:
 
 
 _warned: set[str] = set()
+_announced: set[str] = set()  # the short paths whose use was logged
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:
@@ -380,17 +386,14 @@ def _build_or_none(
         setup = _setup(self)
         if setup is None:
             return None
-    _, buffer, k = setup
+    _, buffer, k, guidance = setup
     if copy:  # shadow mode: a buffer of the same size, kept on the manager
         scratch = getattr(self, "_portable_spec_scratch", None)
         if scratch is None or scratch.shape != buffer.shape:
             scratch = self._portable_spec_scratch = np.empty_like(buffer)
         buffer = scratch
     stride_k = k if layout == "strided" else None
-    try:
-        out = fast_rows(self, requests, ids, spec_tokens, stride_k, buffer)
-    except Exception:  # the checked path below takes the step and names the problem
-        out = None
+    out = _short_path(self, requests, ids, spec_tokens, stride_k, buffer, guidance)
     if out is not None:
         return out
     try:
@@ -412,10 +415,55 @@ def _build_or_none(
     return out
 
 
-def _setup(self: Any) -> tuple[Any, np.ndarray, int] | None:
+def _short_path(
+    self: Any,
+    requests: dict[str, Any],
+    ids: Sequence[str],
+    spec_tokens: dict[str, list[int]],
+    stride_k: int | None,
+    buffer: np.ndarray,
+    guidance: bool,
+) -> np.ndarray | None:
+    """The common step's rows by the short path of its backend (xgrammar's, or guidance's,
+    tried first when vLLM's backend is guidance), or None: the checked path takes the step
+    (and names what went wrong)."""
+    for path in (_guidance, fast_rows) if guidance else (fast_rows, _guidance):
+        try:
+            out = path(self, requests, ids, spec_tokens, stride_k, buffer)
+        except Exception:  # the checked path takes the step and names the problem
+            out = None
+        if out is not None:
+            return out
+    return None
+
+
+def _guidance(
+    self: Any,
+    requests: dict[str, Any],
+    ids: Sequence[str],
+    spec_tokens: dict[str, list[int]],
+    stride_k: int | None,
+    buffer: np.ndarray,
+) -> np.ndarray | None:
+    got = guidance_rows(self, requests, ids, spec_tokens, stride_k, buffer)
+    if got is None:
+        return None
+    if "guidance" not in _announced:  # the library's chain build is slower than this fill
+        _announced.add("guidance")
+        logger.info(
+            "portable_spec: guidance chains written by llguidance's own chain fill "
+            "(unsafe_compute_mask_ptr_with_draft_token, one call per request), vLLM's row "
+            "rule for guidance on top"
+        )
+    out, self._portable_spec_unwritten = got
+    return out
+
+
+def _setup(self: Any) -> tuple[Any, np.ndarray, int, bool] | None:
     """What stays the same for the engine's life, read once per manager: vLLM's bitmask
-    buffer (allocated as vLLM does when missing), its numpy view and the number of speculative
-    tokens. None: vLLM's own fill (a diffusion model, or no speculative tokens)."""
+    buffer (allocated as vLLM does when missing), its numpy view, the number of speculative
+    tokens and whether vLLM's backend is guidance (its short path then tried first). None:
+    vLLM's own fill (a diffusion model, or no speculative tokens)."""
     config = self.vllm_config
     if config.model_config.is_diffusion:
         _warn_once("diffusion", "portable_spec: diffusion models keep vLLM's own fill")
@@ -428,7 +476,8 @@ def _setup(self: Any) -> tuple[Any, np.ndarray, int] | None:
         tensor = self._grammar_bitmask = self.backend.allocate_token_bitmask(
             config.scheduler_config.max_num_seqs * (1 + k)
         )
-    setup = (tensor, tensor.numpy(), k)
+    guidance = type(getattr(self, "backend", None)).__name__ == "GuidanceBackend"
+    setup = (tensor, tensor.numpy(), k, guidance)
     self._portable_spec_setup = setup
     return setup
 

@@ -126,11 +126,43 @@ static void test_take(void) {
     CHECK(memcmp(dest, want, sizeof(want)) == 0);
 }
 
+/* ps_guidance_tail on rows of one word: row r of the chain's walked prefix holds 10 + r, the
+   rows past it 99 (unwritten); -1 is all-allowed. */
+static void guidance_case(const int64_t *drafts, ptrdiff_t m, ptrdiff_t p, ptrdiff_t c,
+                          int stopped, const int32_t *want) {
+    int32_t rows[8];
+    for (ptrdiff_t r = 0; r <= m; r++) rows[r] = r <= c ? (int32_t)(10 + r) : 99;
+    ps_guidance_tail(rows, 1, drafts, m, p, c, stopped, 2);
+    CHECK(memcmp(rows, want, sizeof(int32_t) * (size_t)(m + 1)) == 0);
+}
+
+static void test_guidance_tail(void) {
+    int64_t all[3] = {5, 6, 7};
+    int32_t every[4] = {10, 11, 12, 13}; /* every draft consumed */
+    guidance_case(all, 3, 3, 3, 0, every);
+    int32_t refused[4] = {10, 11, 11, 11}; /* the second refused: row 1 repeated */
+    guidance_case(all, 3, 3, 1, 0, refused);
+    int64_t ended[3] = {5, 2, 7}; /* the end token consumed: all-allowed after it */
+    int32_t after_end[4] = {10, 11, -1, -1};
+    guidance_case(ended, 3, 3, 2, 0, after_end);
+    int64_t done[3] = {5, 6, 2}; /* complete at row 0: repeats up to the end token */
+    int32_t complete[4] = {10, 10, 10, -1};
+    guidance_case(done, 3, 3, 0, 1, complete);
+    int64_t padded[3] = {5, -1, -1}; /* padding: all-allowed after the chain */
+    int32_t pad_rows[4] = {10, 11, -1, -1};
+    guidance_case(padded, 3, 1, 1, 0, pad_rows);
+    int32_t pad_refused[4] = {10, 10, 10, 10}; /* refused before the padding: repeated */
+    guidance_case(padded, 3, 1, 0, 0, pad_refused);
+    int32_t pad_complete[4] = {10, 10, -1, -1}; /* complete, then padding */
+    guidance_case(padded, 3, 1, 0, 1, pad_complete);
+}
+
 int main(void) {
     test_links();
     test_chain();
     test_tree();
     test_take();
+    test_guidance_tail();
     if (failures) {
         fprintf(stderr, "%d kernel check(s) failed\n", failures);
         return 1;

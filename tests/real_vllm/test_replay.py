@@ -350,6 +350,111 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
     assert compared > 100
 
 
+def _complete_request(tokenizer, make, scratch, tail):
+    """A request whose grammar is complete (``{"name":"a","age":1}`` consumed: llguidance
+    stopped, only the end token may follow), with drafts ``tail``."""
+    wrapper = make(0)
+    for token in tokenizer.encode('{"name":"a","age":1}'):
+        assert wrapper.accept_tokens("r", [token])
+    assert wrapper.ll_matcher.is_stopped() and not wrapper.is_terminated()
+    state = StructuredOutputRequest(params=None)
+    state.grammar = wrapper
+    state.masked_reasoning_end_ids = None
+    request = SimpleNamespace(
+        request_id=f"done{id(wrapper)}",
+        structured_output_request=state,
+        prompt_token_ids=[5],
+        all_token_ids=[5, 9],
+        use_structured_output=True,
+    )
+    return request, list(tail)
+
+
+def _outside_request(tokenizer, rng):
+    """A request at the start of a JSON schema without flexible whitespace, its first draft
+    ``{``: llguidance's mask allows only ``{"`` there, its parser takes ``{`` too (vLLM
+    consumes it and fills the next rows from there)."""
+    import llguidance
+    import llguidance.hf
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        SCHEMAS[0], defaults={"whitespace_flexible": False}
+    )
+    ll_tok = llguidance.hf.from_tokenizer(tokenizer)
+    wrapper = GuidanceGrammar(
+        ll_matcher=llguidance.LLMatcher(ll_tok, grammar), ll_tokenizer=ll_tok, vocab_size=VOCAB
+    )
+    brace = tokenizer.convert_tokens_to_ids("{")
+    row = torch.zeros((1, VOCAB // 32), dtype=torch.int32)
+    wrapper.fill_bitmask(row, 0)
+    assert not (int(row[0, brace >> 5]) >> (brace & 31)) & 1  # outside the mask
+    state = StructuredOutputRequest(params=None)
+    state.grammar = wrapper
+    state.masked_reasoning_end_ids = None
+    request = SimpleNamespace(
+        request_id=f"brace{id(wrapper)}",
+        structured_output_request=state,
+        prompt_token_ids=[5],
+        all_token_ids=[5, 9],
+        use_structured_output=True,
+    )
+    return request, [brace, *tokenizer.encode('"name"')][: rng.randrange(1, K + 1)]
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_guidance_steps_take_the_fast_path(tokenizer, factories, version, monkeypatch):
+    """Steps whose requests are all guidance ones, without a reasoning parser, are written by
+    the plugin's guidance path (spied; one llguidance call per chain), read by the compiled
+    call from the step after a wrapper class and tokenizer were first seen (spied too):
+    drafts accepted, refused by the parser, outside the parent's mask, padded, ending in the
+    end token, after a complete grammar (the end token or another), and terminated wrappers;
+    every row equal to vLLM's own fill, every matcher back in its state."""
+    cls = Manager032 if version == "0.32" else _manager_033()
+    layout = plugin.LAYOUTS[version]
+    make, allocate = factories["guidance"]
+    rng = random.Random(f"guidance/{version}")
+    scratch = allocate(1)
+    manager = _manager(cls, allocate, False)
+    taken = _spy_taken(monkeypatch, plugin, "guidance_rows")
+    read = _spy_taken(monkeypatch, compiled, "vllm_guidance")
+    compared = 0
+    for _step in range(30):
+        batch = rng.randrange(1, 9)
+        pairs = [_random_request(rng, make, scratch, False) for _ in range(batch)]
+        if _step % 3 == 0:  # a complete grammar offered the end token, or anything else
+            eos = 2  # the wrappers' end token (<|im_end|>)
+            tail = rng.choice([[eos], [eos, 5], [5], [5, 6, eos], [5, -1, -1], [-1, -1], []])
+            pairs.append(_complete_request(tokenizer, make, scratch, tail))
+        if _step % 3 == 1:  # a draft outside its parent's mask that the parser takes
+            pairs.append(_outside_request(tokenizer, rng))
+        if _step % 4 == 1:  # a wrapper vLLM marked terminated
+            request, drafts = _random_request(rng, make, scratch, False)
+            request.structured_output_request.grammar.terminated = True
+            pairs.append((request, drafts))
+        requests = {r.request_id: r for r, _ in pairs}
+        spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
+        ids = list(requests)
+        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
+        read.clear()
+        before = _root_rows(requests, scratch)
+        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        assert taken[-1], f"step {_step} left the guidance path"
+        if compiled.native is not None:
+            assert read == [True], f"step {_step} was not read in compiled code"
+        unwritten = list(manager._portable_spec_unwritten)
+        after = _root_rows(requests, scratch)
+        for (t0, r0), (t1, r1) in zip(before, after, strict=True):
+            assert t0 == t1 and torch.equal(r0, r1)
+        theirs = cls.grammar_bitmask(manager, requests, ids, spec)
+        assert ours.shape == theirs.shape
+        keep = np.ones(len(ours), dtype=bool)
+        keep[unwritten] = False
+        differing = np.flatnonzero((ours != theirs).any(axis=1) & keep)
+        assert differing.size == 0, f"rows {differing.tolist()} differ (step {_step})"
+        compared += int(keep.sum())
+    assert compared > 100
+
+
 def test_off_by_default(monkeypatch):
     """Installed and registered, the plugin changes nothing until PORTABLE_SPEC_VLLM asks."""
     monkeypatch.delenv(plugin.ENV_VAR, raising=False)

@@ -268,3 +268,33 @@ def test_per_call_targets_are_decided_by_the_records():
     assert targets["fixed cost bs1 K=1, warm: build - engine walk (µs)"].met is False
     assert targets["fixed cost bs1 K=1, cold: build - engine walk (µs)"].met is True
     assert targets["llguidance trees: / its own loop"].met is None  # not run
+
+
+def test_the_engines_own_shapes_are_printed_so():
+    """A shape the integrations give to the engine's own fill (``engine_own``) prints that
+    comparison as "engine's own" (its ratio beside it) and leaves it out of the targets."""
+    from tools.bench.percall import issue_targets
+    from tools.bench.report import engines_table
+
+    def record(shape, own):
+        seconds = {"portable_spec": 1e-3, "engine_loop": 1.2e-3}
+        if shape == "chain":
+            seconds["engine_par_chain"] = 0.8e-3
+        return {
+            "engine": "llguidance", "kind": "json_schema", "shape": shape, "nodes": 16,
+            "batch": 8, "live_rows": 90, "seconds": seconds, "rows_agree": True,
+            "speedup": {k: v / 1e-3 for k, v in seconds.items() if k != "portable_spec"},
+            "engine_own": own,
+        }  # fmt: skip
+
+    records = [record("tree", None), record("chain", "engine_par_chain")]
+    table = engines_table(records)
+    assert "engine's own (0.80x)" in table and table.count("engine's own") == 1
+    targets = {t.name: t for t in issue_targets({"engines": records})}
+    chains = targets["llguidance chains: / its best but the engine's own (parallel fill)"]
+    assert chains.met is True and chains.ratios == [("n16/bs8", 1.2)]
+    records[1]["engine_own"] = None  # compared with the parallel fill: missed
+    targets = {t.name: t for t in issue_targets({"engines": records})}
+    assert (
+        targets["llguidance chains: / its best but the engine's own (parallel fill)"].met is False
+    )

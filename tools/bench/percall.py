@@ -314,15 +314,17 @@ def issue_targets(payload: dict[str, Any]) -> list[Any]:
             if r["shape"] == "tree"
         ],
     )
-    add(
-        "llguidance chains: / its best (loop or parallel fill)",
+    add(  # the parallel fill is the engine's own for chains (engines.ENGINE_OWN): not compared
+        "llguidance chains: / its best but the engine's own (parallel fill)",
         ">= 1.0x",
         [
-            (f"n{r['nodes']}/bs{r['batch']}", min(r["speedup"].values()))
+            (f"n{r['nodes']}/bs{r['batch']}", min(
+                v for k, v in r["speedup"].items() if k != r.get("engine_own")
+            ))
             for r in engines
             if r["shape"] == "chain"
         ],
-    )
+    )  # fmt: skip
     percall = {r["regime"]: r for r in payload.get("percall", []) if r["k"] == 1}
     for regime, bound in (("cold", "<= 40µs"), ("warm", "<= 10µs")):
         record = percall.get(regime)

@@ -72,7 +72,8 @@ def print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(
             "Each engine against its own per-request, per-node loop (and llguidance's parallel "
-            "chain fill on chains); `vs X` = X's median / portable_spec's median."
+            "chain fill on chains); `vs X` = X's median / portable_spec's median; \"engine's "
+            "own\": a shape the integrations give to that fill of the engine's."
         )
         out()
         out(report.engines_table(payload["engines"]))
