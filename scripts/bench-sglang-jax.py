@@ -19,12 +19,11 @@ the accepted tokens per constrained verify (bonus included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests", "real_sglang_jax")
@@ -33,26 +32,23 @@ BATCHES = {1: [0], 4: [0, 1, 2, 3]}
 
 
 def run(shape: str, batch: int, tokens: int, rounds: int) -> list[dict]:
-    """One engine: a warm-up call, then the measured calls; their stats."""
+    """One engine (tests/real_sglang_jax/_engine.launch): a warm-up call, then the measured
+    calls; their stats. A failed run, or one without a masked verify step, stops the bench."""
     sys.path.insert(0, TESTS)
-    from _engine import eagle3
+    from _engine import eagle3, launch
 
     topk, steps, nodes = SHAPES[shape]
     drafting = [True] + [True, False] * rounds
     config = eagle3(topk, steps, nodes, max_new_tokens=tokens, drafting=drafting, timing=True,
                     case_indices=BATCHES[batch])  # fmt: skip
-    env = dict(os.environ, PORTABLE_SPEC_SGLANG_JAX_CPU_HARNESS="1", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(TESTS, "harness_site"), env.get("PYTHONPATH", "")]
-    )
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-P", os.path.join(TESTS, "engine_run.py"), out, json.dumps(config)]
-        subprocess.run(
-            cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        with open(out) as f:
-            return json.load(f)["runs"][1:]
+        report, log, code = launch(Path(tmp), config, {"JAX_PLATFORMS": "cpu"})
+    if report is None:
+        sys.exit(f"engine run failed ({code}):\n{log[-4000:]}")
+    runs = report["runs"][1:]
+    if not all(r["stats"]["masked_steps"] > 0 for r in runs):
+        sys.exit(f"a run without a masked verify step ({shape}, batch {batch}):\n{log[-4000:]}")
+    return runs
 
 
 def median_ms(values: list[float]) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 
 from portable_spec.integrations._sglang_jax_masks import active_matcher
 
-__all__ = ["accept_tokens", "grammar_end", "truncate_at_grammar_end"]
+__all__ = ["accept_tokens", "grammar_end", "own_grammar_objects", "truncate_at_grammar_end"]
 
 logger = logging.getLogger("sgl_jax.portable_spec")
 
@@ -100,3 +100,48 @@ def truncate_at_grammar_end(
             cut += 1
         finish(req, tokens[i][end])
     return cut
+
+
+def own_grammar_objects(original: Callable[..., Any], invalid: Any) -> Callable[..., Any]:
+    """Wrap sglang-jax's ``BaseGrammarBackend.get_cached_or_future_value`` so that every
+    request gets a grammar object of its own.
+
+    sglang-jax hands a cache hit's object itself to the request (every later request with the
+    same grammar shares it: the third request with one JSON schema starts where the second
+    left its matcher), and the same compile ``Future`` to requests that ask for one grammar
+    while it compiles (``future.result()``: one object for all of them). Here a cache hit
+    returns ``copy()`` of the cached object (a fresh matcher; sglang-jax's ``invalid``
+    marker as it is), and a second request on a compile in flight gets a ``Future`` of its own
+    that resolves to a copy of the compile's result.
+    """
+    from concurrent import futures
+
+    def get_cached_or_future_value(self: Any, key: Any) -> tuple[Any, bool]:
+        in_flight = key in self.cache and isinstance(self.cache[key], futures.Future)
+        value, cache_hit = original(self, key)
+        if cache_hit:
+            return (value if value is invalid else value.copy()), True
+        if in_flight and isinstance(value, futures.Future):
+            return _copy_when_done(value, invalid), False
+        return value, False
+
+    get_cached_or_future_value.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_cached_or_future_value
+
+
+def _copy_when_done(compile_future: Any, invalid: Any) -> Any:
+    """A new ``Future`` resolved with a copy of ``compile_future``'s grammar (``invalid`` and
+    errors passed on as they are)."""
+    from concurrent import futures
+
+    own: futures.Future = futures.Future()
+
+    def done(finished: futures.Future) -> None:
+        try:
+            grammar = finished.result()
+            own.set_result(grammar if grammar is invalid else grammar.copy())
+        except BaseException as error:  # the compile's error, or the copy's
+            own.set_exception(error)
+
+    compile_future.add_done_callback(done)
+    return own

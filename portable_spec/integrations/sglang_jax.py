@@ -26,6 +26,9 @@ is recognised by their source, logged in one line, and left running sglang-jax's
   token by token, exactly as far as verify accepted;
 * ``overlap_utils.resolve_spec_decode_token_ids``: a grammar that ends inside a step's accepted
   path (its end token) ends the request there; the tokens after it are dropped;
+* ``BaseGrammarBackend.get_cached_or_future_value``: every request gets a grammar object of
+  its own (sglang-jax hands one cached or compiling object to every request with the same
+  grammar, whose matcher then advances for all of them);
 * ``ModelWorkerSamplingInfo.update_grammar_vocab_mask`` (sglang-jax's one-row-per-request mask
   of non-speculative steps, the prefill of a speculative run): rows of requests without a
   grammar are all-allowed (sglang-jax leaves them zero, or stale from an earlier batch, so such
@@ -70,7 +73,11 @@ from portable_spec.integrations._sglang_jax_fused import (
     run_batch,
     spec_decode_verify,
 )
-from portable_spec.integrations._sglang_jax_grammar import accept_tokens, truncate_at_grammar_end
+from portable_spec.integrations._sglang_jax_grammar import (
+    accept_tokens,
+    own_grammar_objects,
+    truncate_at_grammar_end,
+)
 from portable_spec.integrations._sglang_jax_masks import (
     JOB_ATTR,
     MaskJob,
@@ -113,6 +120,9 @@ _SELECT = f"{_DRAFT_MODULE}:select_top_k_tokens"
 _DRAFT = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_forward"
 _EXTEND_DECODE = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_extend_for_decode"
 _EXTEND_PREFILL = f"{_DRAFT_MODULE}:EagleDraftWorker.draft_extend_for_prefill"
+_GRAMMAR_CACHE = (
+    "sgl_jax.srt.constrained.base_grammar_backend:BaseGrammarBackend.get_cached_or_future_value"
+)
 _BATCH_MASK = (
     "sgl_jax.srt.managers.schedule_batch:ModelWorkerSamplingInfo.update_grammar_vocab_mask"
 )
@@ -130,6 +140,7 @@ KNOWN_SOURCES: dict[str, dict[str, str]] = {
         _SAMPLE: "01b1b99d1f05fdef854ca55c69f1101e8cbf16a3768039c2924dd5ede4eec61e",
         _ACCEPT: "284b5f597b9ef74cfb0fcc53f765b6387806ff1665d912efab0f1bc4fd777111",
         _RESOLVE: "29ff3731e1a69bca5b51b38d756f411b751cc543ead84ac1d477290b96151ced",
+        _GRAMMAR_CACHE: "565b795a95b324bb81ed94b60a3b2be83b2389f86db0b191b5b4730c7c0edd31",
         _BATCH_MASK: "f963ef18e10c8ee8dd9a799ce37bf5bbeaf681d16b23505e9676ed2ba33bcf93",
         _TOPK: "b1ef7b9a0eba0786d390ebf5b990347f5b8c3df3a77e443be9f5248a7daf3f68",
         _SELECT: "3b887b12dd35c660a747452f285d9add72299688e90b30e1375106ed0ab09166",
@@ -262,7 +273,8 @@ def install() -> bool:
     with _lock:
         if _patches:
             return True
-        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE, _BATCH_MASK, *_DRAFTING, *_OVERLAP]
+        keys = [_VERIFY, _SAMPLE, _ACCEPT, _RESOLVE, _GRAMMAR_CACHE, _BATCH_MASK]
+        keys += [*_DRAFTING, *_OVERLAP]
         revision, why = _revision(keys)
         if revision is None:
             logger.warning(
@@ -275,6 +287,7 @@ def install() -> bool:
         _patch(_SAMPLE, _sample)
         _patch(_ACCEPT, _accept_token)
         _patch(_RESOLVE, _resolve_token_ids)
+        _patch(_GRAMMAR_CACHE, _own_grammar_objects)
         _patch(_BATCH_MASK, _batch_mask)
         _patch(_TOPK, wrap_topk)
         _patch(_SELECT, wrap_select)
@@ -297,6 +310,13 @@ def uninstall() -> None:
         for owner, attribute, original in _patches.values():
             setattr(owner, attribute, original)
         _patches.clear()
+
+
+def _own_grammar_objects(original: Any) -> Any:
+    """Every request its own grammar object (sglang-jax shares cached ones)."""
+    from sgl_jax.srt.constrained.base_grammar_backend import INVALID_GRAMMAR_OBJ
+
+    return own_grammar_objects(original, INVALID_GRAMMAR_OBJ)
 
 
 def _patch(key: str, make: Callable[[Any], Any]) -> None:

@@ -100,3 +100,43 @@ def test_without_the_integration_tokens_after_the_end_are_committed():
     accepted = [*S.encode("7"), S.eos(), *S.encode("xyz")]
     tokens, _ = resolve([Req(g)], [accepted], nodes=8)
     assert tokens[0] == accepted
+
+
+def scheduler_grammars(backend, key) -> list:
+    """Four requests with one grammar, as sglang-jax's scheduler gets their grammar objects:
+    two while it compiles (``get_cached_or_future_value`` before ``set_cache``), then the
+    first's result cached as a copy, then two cache hits."""
+    first, hit = backend.get_cached_or_future_value(key)
+    second, _ = backend.get_cached_or_future_value(key)
+    assert not hit
+    grammars = [first.result(timeout=60), second.result(timeout=60)]
+    backend.set_cache(key, grammars[0].copy())  # what move_ready_grammar_requests does
+    for _ in range(2):
+        value, hit = backend.get_cached_or_future_value(key)
+        assert hit
+        grammars.append(value)
+    return grammars
+
+
+@pytest.mark.parametrize("integrated", [True, False])
+def test_every_request_gets_a_grammar_object_of_its_own(integrated):
+    from sgl_jax.srt.constrained.llguidance_backend import get_guidance_backend
+
+    if integrated:
+        assert integration.install()
+    else:
+        integration.uninstall()
+    try:
+        backend = get_guidance_backend(tokenizer=S.hf_tokenizer(), n_vocab=S.VOCAB, num_threads=1)
+        grammars = scheduler_grammars(backend, S.GRAMMARS["json"])
+    finally:
+        integration.uninstall()
+    fresh = mask_of(S.grammar("json").ll_matcher)
+    for g in grammars[0::2]:  # the first compiling request and the first cache hit advance
+        g.ll_matcher.try_consume_tokens(S.encode('{"name": "'))
+    untouched = [mask_of(g.ll_matcher) == fresh for g in grammars[1::2]]
+    distinct = len({id(g.ll_matcher) for g in grammars}) == len(grammars)
+    # sglang-jax's own: the two compiling requests share one object, the cache hits another
+    assert (untouched, distinct) == (
+        ([True, True], True) if integrated else ([False, False], False)
+    )
