@@ -79,6 +79,26 @@ def forget_grammars() -> None:
     _known.clear()
 
 
+def wrapped_grammar(held: Any, wrappers: set[type], name: str) -> Any | None:
+    """The grammar wrapper of a request's ``structured_output_request`` when it is vLLM's class
+    ``name`` (its type, once seen, joins ``wrappers``), else None. Reads ``_grammar``, the field
+    behind vLLM's ``grammar`` property (which only resolves a Future), and the property only
+    when the field is not a known wrapper."""
+    try:
+        grammar = held._grammar
+    except AttributeError:
+        grammar = None
+    kind = type(grammar)
+    if kind not in wrappers:
+        grammar = held.grammar
+        kind = type(grammar)
+        if kind not in wrappers:
+            if kind.__name__ != name:
+                return None
+            wrappers.add(kind)
+    return grammar
+
+
 def may_reason(manager: Any) -> bool:
     """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: it does
     only with a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
@@ -129,20 +149,9 @@ def fast_rows(
     same_stops = True
     tokens_total = 0
     for req_id in ids:
-        held = requests[req_id].structured_output_request
-        try:
-            # the field behind vLLM's ``grammar`` property, which only resolves a Future
-            grammar = held._grammar
-        except AttributeError:
-            grammar = None
-        kind = type(grammar)
-        if kind not in wrappers:
-            grammar = held.grammar
-            kind = type(grammar)
-            if kind not in wrappers:
-                if kind.__name__ != _WRAPPER:
-                    return None
-                wrappers.add(kind)
+        grammar = wrapped_grammar(requests[req_id].structured_output_request, wrappers, _WRAPPER)
+        if grammar is None:
+            return None
         # Terminated requests are walked too: the compiled walk asks the matcher (whose
         # state vLLM's wrapper mirrors) and writes their rows all-allowed.
         matcher = grammar.matcher

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
-from portable_spec.integrations._vllm_fast import may_reason
+from portable_spec.integrations._vllm_fast import may_reason, wrapped_grammar
 from portable_spec.pending import hold_matchers, release_matchers
 
 __all__ = ["guidance_rows"]
@@ -79,19 +79,9 @@ def guidance_rows(
     drafts: list[list[int]] = []
     total = 0
     for req_id in ids:
-        held = requests[req_id].structured_output_request
-        try:
-            grammar = held._grammar
-        except AttributeError:
-            grammar = None
-        kind = type(grammar)
-        if kind not in wrappers:
-            grammar = held.grammar
-            kind = type(grammar)
-            if kind not in wrappers:
-                if kind.__name__ != _WRAPPER:
-                    return None
-                wrappers.add(kind)
+        grammar = wrapped_grammar(requests[req_id].structured_output_request, wrappers, _WRAPPER)
+        if grammar is None:
+            return None
         tokens = spec.get(req_id) or []
         if tokens and (min(tokens) < -1 or max(tokens) >= limit):
             return None
