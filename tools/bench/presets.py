@@ -40,7 +40,9 @@ class Preset:
     chain_drafts: tuple[int, ...]
     chain_batches: tuple[int, ...]
     chain_reasoning: tuple[float, ...]
-    layout_vocabs: tuple[str, ...] = ("smollm2", "131072")
+    #: the build, chains, percall and layout sections run on each (workloads.vocab_setup)
+    vocabs: tuple[str, ...] = ("smollm2", "tekken", "qwen")
+    layout_vocabs: tuple[str, ...] = ("smollm2", "tekken", "qwen")
     layout_batches: tuple[int, ...] = (8, 64, 256)
     layout_nodes: tuple[int, ...] = (16, 64)
     async_vocabs: tuple[str, ...] = ("smollm2", "131072")
@@ -80,6 +82,7 @@ QUICK = Preset(
     chain_drafts=(1, 4),
     chain_batches=(1, 8),
     chain_reasoning=(0.5,),
+    vocabs=("smollm2",),
     layout_vocabs=("smollm2",),
     layout_batches=(8,),
     layout_nodes=(16,),
