@@ -192,6 +192,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         steps += len(layout_grid.vocabs) * len(layout_grid.nodes) * len(layout_grid.batches)
     steps += len(async_vocabs) if "async" in sections else 0
     steps += 2 * len(vocabs) if "percall" in sections else 0
+    steps += 3 * len(vocabs) if "thresholds" in sections else 0
     steps += 2 + 2 * len(chain_drafts) + 1 + 2 + 2 if "targets" in sections else 0
     percall_plan = RoundPlan(
         min_rounds=max(plan.min_rounds, 50), max_rounds=max(plan.max_rounds, 400), budget_s=3.0
@@ -230,6 +231,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "layout": [],
         "async": [],
         "percall": [],
+        "thresholds": [],
         "per_call_targets": [],
         "targets_runs": {},
     }
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
         if "engines" in sections:
             kinds = (*kinds, *engine_kinds)
-        if "chains" in sections or "percall" in sections or "targets" in sections:
+        if {"chains", "percall", "targets", "thresholds"} & set(sections):
             kinds = (*kinds, "json_schema")
         kinds = tuple(dict.fromkeys(kinds))
         # the other sections run on the first vocabulary; these on every one
@@ -405,6 +407,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                         advance=progress.advance,
                     ),
                 )
+        if "thresholds" in sections:
+            from tools.bench.thresholds import run_thresholds_section
+
+            progress.describe("thresholds: drawing request pools")
+            for each in setups:
+                payload["thresholds"] += _labelled(
+                    each,
+                    run_thresholds_section(
+                        each, plan, on_grammar=args.on_grammar, seed=args.seed, policy=policy,
+                        advance=progress.advance,
+                    ),
+                )  # fmt: skip
         if "targets" in sections:
             from tools.bench.percall import issue_targets, run_targets_section
 
