@@ -12,11 +12,12 @@ the build (a build started meanwhile over one of them is refused), and the first
 applies builds; these rows never decline.
 
 Thresholds are in units of work (:func:`work`): rows times (mask words + :data:`ROW_WORDS`),
-what filling the rows costs xgrammar: writing ``words`` int32 per row, plus a fixed cost per
-node (accepting the draft, the state's bookkeeping, the repair) measured as its equivalent in
-words. One core's rate is about the same on 49k, 131k and 152k vocabularies in these units
-(the measurements: ``docs/results/2026-12-06-routes.md``); the numbers below are 2-core figures
-of the JSON schema, the costliest sample grammar to fill.
+what filling the rows costs xgrammar: a fill's cost grows with the mask's width, plus a fixed
+cost per node (accepting the draft, the state's bookkeeping, the repair) counted as its
+equivalent in words. One core's rate is about the same on 49k, 131k and 152k vocabularies in
+these units (``docs/routes.md``, ``docs/results/2026-12-06-routes.md``); the numbers below are
+2-core figures of the JSON schema, the costliest sample grammar to fill; those measured at 49k
+only keep their 49k decisions and scale with the width.
 """
 
 from __future__ import annotations
@@ -73,15 +74,22 @@ __all__ = [
 ]
 
 # -- the thresholds, in units of work ----------------------------------------------------------
-#: a row's fixed cost (accepting its draft, the matcher's bookkeeping, the repair), in the mask
-#: words whose filling costs as much: one core fills 49k, 131k and 152k rows at one rate in
-#: rows x (words + ROW_WORDS) (2 cores, the JSON schema, chains of 2 to 5 nodes, cold caches)
+#: A row's fixed cost (accepting its draft, the matcher's bookkeeping, the repair), in the mask
+#: words whose filling costs as much. One thread's CPU time per row, cold caches, the JSON
+#: schema (2 cores): chains of 5 nodes 5.3 µs at 49k (1,536 words), 10.0 at 131k (4,096),
+#: 18.0 at 152k (4,748); trees of 16 nodes 4.2, 9.1, 14.5. The 49k and 131k pairs give 650 to
+#: 1,400 words; 152k costs more per word (Qwen's vocabulary has more tokens the grammar must
+#: check one by one). At 512 one unit costs 2.2 to 3.4 ns on every vocabulary.
 ROW_WORDS = 512
 
 #: From this much work on, the compiled walker cuts the batch into parts walked on the pool at
-#: once (the chain lists, the walk table); below it one part on the calling thread is faster
-#: (the second core starts with cold caches: xgrammar's grammar and token tables). The
-#: one-call rows take only builds below it.
+#: once (the chain lists, the walk table); below it one part on the calling thread is faster:
+#: the other core starts with cold caches (xgrammar's grammar and token tables) and has to be
+#: woken, about half a millisecond on this 2-core machine. 512 rows of 49k (2 cores, the JSON
+#: schema: 96 rows 424 against 703 µs in two parts, 320 rows 1.26 against 1.39 ms; from 512
+#: rows on the parts win, 2.42 against 2.53 ms, 1,280 rows 4.53 against 4.98); in these units
+#: 228 rows of 131k, 200 of 152k (parts at 320 rows of 131k, K=4 batch 64: 1.20 to 1.43x the
+#: serial fill against 1.08 to 1.13x on one thread). The one-call rows take builds below it.
 ONE_THREAD_WORK = 1_048_576
 
 #: The planner runs its jobs on the pool from this much work with a grammar: below it, waking
