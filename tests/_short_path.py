@@ -16,10 +16,12 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
 
     def spying(route: routes.Route) -> routes.Route:
         def build(call: Any) -> Any:
+            if not route.compiled:  # named before it builds: its own builds come after it
+                if not compiled_only:
+                    taken.append(route.name)
+                return route.build(call)
             result = route.build(call)
-            if (route.compiled and result is not None) or (
-                not route.compiled and not compiled_only
-            ):
+            if result is not None:
                 taken.append(route.name)
             return result
 
