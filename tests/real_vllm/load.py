@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,8 +163,10 @@ def _case(i: int, kind: str, j: int) -> Case:
         body["extra_body"]["structured_outputs"] = {"json": schema}
         return Case(i, kind, "completion", kind, body, ("schema", schema))
     if kind == "json_object":
+        # the person prompt only: without a schema, SmolLM2 nests the point and order prompts'
+        # objects until max_tokens (most of them, and how many depends on the batches)
         body = {
-            "messages": [{"role": "user", "content": tag + prompt}],
+            "messages": [{"role": "user", "content": tag + _SCHEMAS[0][0]}],
             "max_tokens": 96,
             "response_format": {"type": "json_object"},
             **sampling,
@@ -201,9 +204,16 @@ def _case(i: int, kind: str, j: int) -> Case:
 
 
 async def run(
-    url: str, todo: list[Case], concurrency: int, model: str, timeout_s: float = 600
+    url: str,
+    todo: list[Case],
+    concurrency: int,
+    model: str,
+    timeout_s: float = 600,
+    after: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
-    """Send every case, ``concurrency`` in flight at a time; outcomes in ``todo``'s order."""
+    """Send every case, ``concurrency`` in flight at a time; outcomes in ``todo``'s order.
+    ``after`` is called with each outcome as it comes (the others stay in flight meanwhile).
+    ``timeout_s`` only keeps a lost request from hanging the run."""
     client = openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout_s
     )
@@ -215,7 +225,9 @@ async def run(
     async def worker() -> None:
         while not queue.empty():
             case = queue.get_nowait()
-            results[case.index] = await _send(client, case, model)
+            results[case.index] = outcome = await _send(client, case, model)
+            if after is not None:
+                after(outcome)
 
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))

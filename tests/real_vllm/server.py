@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -86,9 +85,10 @@ class Server:
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.seen: dict[int, psutil.Process] = {}  # every process of the tree sampled
-        self.samples: list[tuple[float, dict[int, int]]] = []  # (time, {pid: rss bytes})
-        self._sampling = threading.Event()
-        self._sampler: threading.Thread | None = None
+        #: (time, {pid: (RSS, anonymous RSS)}), bytes; anonymous: resident pages less the
+        #: file-backed and shared ones (what a leak grows; the kernel may drop and re-read
+        #: file pages of a library at any time, under other processes' memory pressure)
+        self.samples: list[tuple[float, dict[int, tuple[int, int]]]] = []
 
     @property
     def url(self) -> str:
@@ -168,12 +168,13 @@ class Server:
         except psutil.NoSuchProcess:
             return []
 
-    def _note_tree(self) -> dict[int, int]:
+    def _note_tree(self) -> dict[int, tuple[int, int]]:
         rss = {}
         for proc in self.tree():
             self.seen.setdefault(proc.pid, proc)
             with contextlib.suppress(psutil.Error):
-                rss[proc.pid] = proc.memory_info().rss
+                info = proc.memory_info()  # /proc/PID/statm: shared = file-backed + shmem
+                rss[proc.pid] = (info.rss, info.rss - info.shared)
         return rss
 
     def labels(self) -> dict[int, str]:
@@ -196,28 +197,13 @@ class Server:
                 total += t.user + t.system + t.children_user + t.children_system
         return total
 
-    def start_sampling(self, every_s: float = 0.5) -> None:
-        """Sample the RSS of the process tree every ``every_s`` seconds, in a thread."""
-        self._sampling.set()
-
-        def run() -> None:
-            while self._sampling.is_set():
-                self.samples.append((time.monotonic(), self._note_tree()))
-                time.sleep(every_s)
-
-        self._sampler = threading.Thread(target=run, name="rss-sampler", daemon=True)
-        self._sampler.start()
-
-    def stop_sampling(self) -> None:
-        self._sampling.clear()
-        if self._sampler is not None:
-            self._sampler.join()
-            self._sampler = None
+    def sample(self) -> None:
+        """Append the RSS and anonymous RSS of every process of the tree now to ``samples``."""
+        self.samples.append((time.monotonic(), self._note_tree()))
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 60 s; then any process seen
         in its tree that is still running is killed by id. Idempotent."""
-        self.stop_sampling()
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group's id is the server's pid
