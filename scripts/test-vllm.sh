@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (first run only: scripts/setup-vllm.sh) and run the real-vLLM tests: the replay of
-# vLLM's own grammar_bitmask and the end-to-end LLM.generate runs (one engine start per
-# structured-output backend). Extra arguments go to pytest.
+# vLLM's own grammar_bitmask, the end-to-end LLM.generate runs (one engine start per
+# structured-output backend) and vLLM's OpenAI server under load with the plugin on and off
+# (tests/real_vllm/test_server_load.py: two `vllm serve` starts). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-vllm.sh
