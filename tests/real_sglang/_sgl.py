@@ -16,13 +16,22 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+from conftest import DEVICE as _DEVICE
 
 from portable_spec import testing
 from portable_spec.integrations import sglang as plugin
 
 #: what the run compared, printed at its end (conftest.py)
 COUNTS: collections.Counter[str] = collections.Counter()
+
+#: where the masks go (conftest.py): the CPU, or CUDA on a GPU host
+DEVICE = torch.device(_DEVICE)
+#: for the tests that drive sglang's verify step with CPU tensors and its kernels interpreted
+cpu_only = pytest.mark.skipif(
+    DEVICE.type != "cpu", reason="drives sglang's verify step on CPU (Triton's interpreter)"
+)
 
 VOCAB = 49152  # SmolLM2's tokenizer
 PADDED = VOCAB + 64  # a model vocabulary padded past the tokenizer's
@@ -190,11 +199,15 @@ def random_tree(
     nodes: int,
     vocab_size: int,
     words: int,
+    chain: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random tree (random parents and sibling order) whose drafts mix tokens the grammar
-    allows where they stand (chosen by walking it with sglang's own methods), end tokens,
-    ids past the vocabulary and random ids."""
-    parent = [-1] + [int(rng.integers(0, j)) for j in range(1, nodes)]
+    """A random tree (random parents and sibling order; a chain with ``chain``) whose drafts
+    mix tokens the grammar allows where they stand (chosen by walking it with sglang's own
+    methods), end tokens, ids past the vocabulary and random ids."""
+    if chain:
+        parent = [-1, *range(nodes - 1)]
+    else:
+        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, nodes)]
     children: list[list[int]] = [[] for _ in range(nodes)]
     for j in range(1, nodes):
         children[parent[j]].append(j)
@@ -250,14 +263,15 @@ def random_step(
     batch: int,
     nodes: int,
     vocab_size: int,
+    chain: bool = False,
 ) -> tuple[list[Req], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``batch`` requests whose grammars ``make(rng)`` returns (None: unconstrained), each
-    with a random tree of ``nodes`` nodes."""
+    with a random tree (or chain) of ``nodes`` nodes."""
     words = (vocab_size + 31) // 32
     reqs, trees = [], []
     for _ in range(batch):
         made = make(rng)
         reqs.append(Req(made))
-        trees.append(random_tree(rng, made, nodes, vocab_size, words))
+        trees.append(random_tree(rng, made, nodes, vocab_size, words, chain))
     tree = tuple(torch.from_numpy(np.stack([t[i] for t in trees])) for i in range(3))
     return reqs, tree  # type: ignore[return-value]

@@ -25,7 +25,7 @@ import torch
 import portable_spec as ps
 from portable_spec.integrations import sglang as plugin
 
-CPU = torch.device("cpu")
+DEVICE = _sgl.DEVICE
 
 
 def _fingerprints(reqs: list, words: int) -> list:
@@ -35,20 +35,22 @@ def _fingerprints(reqs: list, words: int) -> list:
 def check_step(reqs, tree, vocab_size, *, chain=False, mode="on", sglang_tree=None):
     """The plugin's build of one step against sglang's own; returns the plugin's mask."""
     words = (vocab_size + 31) // 32
+    spec = _sgl.spec_utils()
+    if chain:  # sglang's own chain links
+        tree = spec.GrammarTree.from_linear_chain(tree[2]).resolve()
     before = _fingerprints(reqs, words)
     expected = _sgl.sglang_rows(reqs, tree, vocab_size)
     assert _fingerprints(reqs, words) == before
-    spec = _sgl.spec_utils()
-    if sglang_tree is None:
-        sglang_tree = spec.GrammarTree.from_linear_chain(tree[2]) if chain else (
-            spec.GrammarTree.from_host(*tree))  # fmt: skip
+    if sglang_tree is None and not chain:
+        sglang_tree = spec.GrammarTree.from_host(*tree)
     info = _sgl.SamplingInfo(vocab_size)
     barriers = []
     with _sgl.plugin_on(mode):
-        if chain:
-            sglang_tree = spec.GrammarTree.from_linear_chain(tree[2])  # the wrapped constructor
+        if chain:  # the wrapped constructor marks its trees
+            sglang_tree = spec.GrammarTree.from_linear_chain(tree[2])
+            assert getattr(sglang_tree, "_portable_spec_chain", False)
         got = spec.build_grammar_vocab_mask(
-            reqs=reqs, tree=sglang_tree, sampling_info=info, device=CPU,
+            reqs=reqs, tree=sglang_tree, sampling_info=info, device=DEVICE,
             barrier=lambda: barriers.append(1),
         )  # fmt: skip
     assert barriers == [1]
@@ -61,8 +63,9 @@ def check_step(reqs, tree, vocab_size, *, chain=False, mode="on", sglang_tree=No
     assert info.grammar_mask is None
     assert got.grammar is [r.grammar for r in reqs if r.grammar is not None][-1]
     mask = got.vocab_mask
-    assert mask.device == CPU and mask.dtype == expected.dtype == torch.int32
+    assert mask.device.type == DEVICE.type and mask.dtype == expected.dtype == torch.int32
     assert tuple(mask.shape) == tuple(expected.shape)
+    mask = mask.cpu()
     differing = np.flatnonzero((mask.numpy() != expected.numpy()).any(axis=1))
     _sgl.COUNTS["rows compared"] += expected.shape[0]
     _sgl.COUNTS["rows differing"] += len(differing)
@@ -180,10 +183,10 @@ def test_outlines_steps_stay_sglang(caplog):
         for _ in range(2):
             got = spec.build_grammar_vocab_mask(
                 reqs=reqs, tree=spec.GrammarTree.from_host(*tree),
-                sampling_info=_sgl.SamplingInfo(_sgl.VOCAB), device=CPU, barrier=None,
+                sampling_info=_sgl.SamplingInfo(_sgl.VOCAB), device=DEVICE, barrier=None,
             )  # fmt: skip
             assert got.vocab_mask.dtype == torch.bool
-            assert torch.equal(got.vocab_mask, expected)
+            assert torch.equal(got.vocab_mask.cpu(), expected)
         assert plugin.integration_stats()["whole_steps"] == 2
     warnings = [r for r in caplog.records if "OutlinesGrammar" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
@@ -262,9 +265,9 @@ def test_barrier_runs_before_any_grammar_is_read():
     with _sgl.plugin_on():
         got = spec.build_grammar_vocab_mask(
             reqs=reqs, tree=spec.GrammarTree.from_host(*tree),
-            sampling_info=_sgl.SamplingInfo(vocab), device=CPU, barrier=barrier,
+            sampling_info=_sgl.SamplingInfo(vocab), device=DEVICE, barrier=barrier,
         )  # fmt: skip
-    assert torch.equal(got.vocab_mask, expected)
+    assert torch.equal(got.vocab_mask.cpu(), expected)
 
 
 def test_host_tensors_read_in_place(monkeypatch):
@@ -281,7 +284,7 @@ def test_host_tensors_read_in_place(monkeypatch):
 
     monkeypatch.setattr(ps.GrammarTree, "from_host", staticmethod(spy))
     spec = _sgl.spec_utils()
-    sglang_tree = spec.GrammarTree.from_device(*tree)
+    sglang_tree = spec.GrammarTree.from_device(*(t.to(DEVICE) for t in tree))
     check_step(reqs, tree, _sgl.VOCAB, sglang_tree=sglang_tree)
     (arrays,) = seen
     for ours, theirs in zip(arrays, sglang_tree.resolve(), strict=True):
@@ -320,7 +323,7 @@ def test_failing_grammar_leaves_the_others_unmoved():
     with _sgl.plugin_on(), pytest.raises(RuntimeError, match="broken grammar"):
         spec.build_grammar_vocab_mask(
             reqs=reqs, tree=spec.GrammarTree.from_host(*tree),
-            sampling_info=_sgl.SamplingInfo(_sgl.VOCAB), device=CPU, barrier=None,
+            sampling_info=_sgl.SamplingInfo(_sgl.VOCAB), device=DEVICE, barrier=None,
         )  # fmt: skip
     assert _fingerprints([r for i, r in enumerate(reqs) if i != 2], words) == before
     plugin.reset_stats()
