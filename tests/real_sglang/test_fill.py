@@ -99,3 +99,36 @@ def test_unlisted_rows_untouched():
         if row not in listed:
             assert torch.equal(ours[row], pattern[row])
     plugin.reset_stats()
+
+
+def test_shadow_fill_and_ended_matchers():
+    """Shadow mode: sglang's rows used, the batched fill's compared (none differ). A terminated
+    matcher listed (sglang's caller leaves them out): sglang's own loop and its error."""
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject, GrammarRow
+
+    rng = np.random.default_rng(61)
+    words = (_sgl.VOCAB + 31) // 32
+    grammars = [g for g in _batch(rng, 16, "xgrammar") if g is not None and not g.is_terminated()]
+    entries = [GrammarRow(row, g) for row, g in enumerate(grammars)]
+    own = torch.full((len(grammars), words), -1, dtype=torch.int32)
+    BaseGrammarObject.fill_vocab_mask_batched(entries, own)
+    plugin.reset_stats()
+    ours = torch.full_like(own, -1)
+    with _sgl.plugin_on("shadow"):
+        BaseGrammarObject.fill_vocab_mask_batched(entries, ours)
+    stats = plugin.integration_stats()
+    assert torch.equal(ours, own)
+    assert stats["rows_compared"] == len(grammars) and stats["rows_differing"] == 0
+
+    ended = _sgl.grammar("xgrammar", "words")
+    _sgl.advance(ended, 200, rng, words, end=1.0)
+    assert ended.is_terminated()
+    entries.insert(1, GrammarRow(len(grammars), ended))
+    own = torch.full((len(grammars) + 1, words), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError) as theirs:
+        BaseGrammarObject.fill_vocab_mask_batched(entries, own)
+    ours = torch.full_like(own, -1)
+    with _sgl.plugin_on(), pytest.raises(type(theirs.value)):
+        BaseGrammarObject.fill_vocab_mask_batched(entries, ours)
+    assert torch.equal(ours, own)
+    plugin.reset_stats()

@@ -53,6 +53,7 @@ __all__ = [
     "patch_set",
     "traverse_tree",
     "version",
+    "xgrammar_rows",
 ]
 
 #: A child of sglang's logger: the plugin's lines come out with sglang's format and level.
@@ -218,6 +219,29 @@ def kind_of(grammar: Any) -> str | None:
 def xgrammar_matcher(grammar: Any) -> Any:
     """An ``XGrammarGrammar``'s ``xgrammar.GrammarMatcher``."""
     return grammar.matcher
+
+
+_classes: dict[str, Any] = {}
+
+
+def xgrammar_rows(entries: Any, words: int) -> tuple[list[int], list[Any], list[Any]]:
+    """Split the plain fill's ``GrammarRow`` entries: the rows and ``xgrammar.GrammarMatcher``
+    of the ``XGrammarGrammar`` objects (exactly that class) whose vocabulary fills ``words``
+    words, and the other entries. One pass, a few attribute reads per entry."""
+    cls = _classes.get(_XGRAMMAR)
+    if cls is None:
+        cls = _classes.setdefault(_XGRAMMAR, resolve(_XGRAMMAR)[2])
+    rows: list[int] = []
+    matchers: list[Any] = []
+    rest: list[Any] = []
+    for entry in entries:
+        grammar = entry.grammar
+        if type(grammar) is cls and (grammar.vocab_size + 31) >> 5 == words:
+            rows.append(entry.row)
+            matchers.append(grammar.matcher)
+        else:
+            rest.append(entry)
+    return rows, matchers, rest
 
 
 def xgrammar_vocab_size(grammar: Any) -> int:

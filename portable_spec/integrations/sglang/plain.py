@@ -2,21 +2,27 @@
 
 sglang fills one row per request at every step with a grammar request, speculative or not
 (the prefill of a speculative run, every step of plain decoding): for xgrammar a serial loop
-of ``fill_vocab_mask``. The library fills the rows of xgrammar grammars over its thread pool
-(one root-only tree per request, written in place into sglang's buffer); every other entry
+of ``fill_vocab_mask``, a Python call and xgrammar's argument checks per row. The plugin fills
+the rows of xgrammar grammars in one call of xgrammar's own batched fill
+(``xgrammar.BatchGrammarMatcher.batch_fill_next_token_bitmask``, the GIL released), in place
+in sglang's buffer, on one thread below the library's one-thread threshold
+(:data:`portable_spec.builder.routes.ONE_THREAD_WORK`: waking a second core costs more than
+it saves at these sizes) and on the library's threads above it. Every other entry
 (llguidance's, which sglang fills with llguidance's own parallel fill; outlines'; a reasoner
-filtering its reasoning; a terminated matcher) is filled by sglang's own loop. Rows not
-listed are left untouched, as sglang's contract says. Shadow mode fills both and compares.
+filtering its reasoning; a terminated matcher) is filled by sglang's own loop, and so is a
+fill with fewer than :data:`MIN_ROWS` xgrammar rows. Rows not listed are left untouched, as
+sglang's contract says. Shadow mode fills both and compares.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
-import portable_spec as ps
+from portable_spec.builder.routes import parts_for
 from portable_spec.integrations.sglang import internals
 from portable_spec.integrations.sglang.internals import REASONER, XGRAMMAR, logger
 from portable_spec.integrations.sglang.masks import STATS, Active
@@ -26,13 +32,19 @@ __all__ = ["MIN_ROWS", "fill_replacement"]
 #: below this many xgrammar rows sglang's own loop fills them (one row is as fast that way)
 MIN_ROWS = 2
 
-_roots: dict[int, ps.GrammarTree] = {}
+#: xgrammar's batch fillers by thread count (each used under its lock: one fill at a time)
+_fillers: dict[int, tuple[Any, threading.Lock]] = {}
 
 
 def fill_replacement(original: Any) -> Any:
-    """``fill_vocab_mask_batched`` through the library (``original``: sglang's own)."""
+    """``fill_vocab_mask_batched`` with xgrammar rows in one batched call (``original``: sglang's
+    own)."""
 
     def fill_vocab_mask_batched(entries: Any, vocab_mask: Any) -> None:
+        if len(entries) < MIN_ROWS:  # sglang's own call, at once (batch 1 pays nothing more)
+            STATS.add("fills")
+            original(entries, vocab_mask)
+            return
         _fill(original, entries, vocab_mask)
 
     return fill_vocab_mask_batched
@@ -40,15 +52,13 @@ def fill_replacement(original: Any) -> Any:
 
 def _fill(original: Any, entries: Any, vocab_mask: Any) -> None:
     STATS.add("fills")
-    if len(entries) < MIN_ROWS or not _plain_buffer(vocab_mask):
+    if not _plain_buffer(vocab_mask):
         original(entries, vocab_mask)
         return
     words = vocab_mask.shape[1]
-    rows: list[int] = []
-    matchers: list[Any] = []
+    rows, matchers, others = internals.xgrammar_rows(entries, words)
     rest = []
-    vocab_size = 0
-    for entry in entries:
+    for entry in others:  # reasoners (their inner grammar), and the entries sglang fills
         matcher, size = _xgrammar_matcher(entry.grammar)
         if matcher is None or (size + 31) // 32 != words:
             if matcher is not _SKIP:
@@ -56,28 +66,51 @@ def _fill(original: Any, entries: Any, vocab_mask: Any) -> None:
             continue
         rows.append(entry.row)
         matchers.append(matcher)
-        vocab_size = max(vocab_size, size)
     if len(matchers) < MIN_ROWS:
         original(entries, vocab_mask)
         return
     if rest:
         original(rest, vocab_mask)
+    mine = [e for e in entries if e not in rest] if rest or Active.mode == "shadow" else entries
     started = time.perf_counter()
-    host = vocab_mask.numpy()
     if Active.mode == "shadow":
-        mine = ps.build_host_bitmask(matchers, _root_tree(len(matchers)), vocab_size)
-        original([e for e in entries if e not in rest], vocab_mask)
-        _compare(host[rows], mine)
+        original(mine, vocab_mask)  # sglang's rows, the ones used (its errors its own)
+        ours = vocab_mask[rows].clone()
+        _batch_fill(original, mine, matchers, ours, None, words)
+        _compare(vocab_mask[rows].numpy(), ours.numpy())
         return
-    first = rows[0]
-    if rows == list(range(first, first + len(rows))):
-        ps.build_host_bitmask(
-            matchers, _root_tree(len(rows)), vocab_size, out=host[first : first + len(rows)]
-        )
-    else:
-        host[rows] = ps.build_host_bitmask(matchers, _root_tree(len(rows)), vocab_size)
+    _batch_fill(original, mine, matchers, vocab_mask, rows, words)
     STATS.time("portable_spec_fill", len(rows), time.perf_counter() - started)
     STATS.add("fills_built")
+
+
+def _batch_fill(
+    original: Any,
+    entries: Any,
+    matchers: list[Any],
+    mask: Any,
+    rows: list[int] | None,
+    words: int,
+) -> None:
+    """xgrammar's batched fill of ``matchers``' rows (``rows``; None: ``0..len-1``) of the
+    int32 CPU tensor ``mask``; blocks until written. Where xgrammar refuses (a terminated
+    matcher, which sglang's caller leaves out), sglang's own loop fills ``entries`` (the same
+    rows): its rows, or its error."""
+    threads = parts_for(len(matchers), words)
+    filler = _fillers.get(threads)
+    if filler is None:
+        import xgrammar
+
+        made = (xgrammar.BatchGrammarMatcher(threads), threading.Lock())
+        filler = _fillers.setdefault(threads, made)
+    batch, lock = filler
+    try:
+        with lock:
+            batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+    except RuntimeError:
+        if rows is None:  # shadow mode: sglang's own loop has just filled these rows
+            raise
+        original(entries, mask)
 
 
 _SKIP = object()  # an entry whose row sglang leaves as it is (a reasoner still reasoning)
@@ -118,17 +151,6 @@ def _plain_buffer(vocab_mask: Any) -> bool:
         and vocab_mask.dim() == 2
         and vocab_mask.is_contiguous()
     )
-
-
-def _root_tree(batch: int) -> ps.GrammarTree:
-    tree = _roots.get(batch)
-    if tree is None:
-        links = np.full((batch, 1), -1, dtype=np.int64)
-        tree = ps.GrammarTree.from_host(links, links, np.zeros((batch, 1), dtype=np.int64))
-        if len(_roots) > 256:
-            _roots.clear()
-        _roots[batch] = tree
-    return tree
 
 
 def _compare(own: np.ndarray, mine: np.ndarray) -> None:
