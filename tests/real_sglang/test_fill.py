@@ -21,6 +21,14 @@ import _sgl
 import torch
 
 from portable_spec.integrations import sglang as plugin
+from portable_spec.integrations.sglang import plain
+
+
+@pytest.fixture(autouse=True)
+def _every_size_batched(monkeypatch):
+    """The batched fill from two rows (it starts at ``plain.MIN_ROWS`` for speed): the rows
+    must be sglang's at every size."""
+    monkeypatch.setattr(plain, "MIN_ROWS", 2)
 
 
 def update(grammars: list, vocab_size: int):

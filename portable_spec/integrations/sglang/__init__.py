@@ -113,10 +113,10 @@ def integration_stats() -> dict[str, Any]:
     built by the library), ``whole_steps`` (built by sglang's own code), ``own_requests``
     (requests sglang's walk built inside a library step), ``refused_steps``, ``repaired_rows``
     (llguidance rows rebuilt by sglang's methods), ``rows_compared`` and ``rows_differing``
-    (shadow mode), ``fills`` and ``fills_built`` (plain fills: all, and those through
-    xgrammar's batched fill), and ``median_us`` / ``samples``: ``{build: {batch: median µs or
-    count}}`` for the builds ``portable_spec``, ``sglang`` (shadow mode) and
-    ``portable_spec_fill``. Never blocks.
+    (shadow mode), ``fills`` and ``fills_built`` (plain fills of at least ``plain.MIN_ROWS``
+    entries: all, and those through xgrammar's batched fill), and ``median_us`` /
+    ``samples``: ``{build: {batch: median µs or count}}`` for the builds ``portable_spec`` and
+    ``sglang`` (shadow mode). Never blocks.
     """
     from portable_spec.integrations.sglang.masks import STATS
 
