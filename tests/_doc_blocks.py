@@ -4,8 +4,8 @@ Every block is compiled, then executed in a namespace of its own (as if it were 
 its own: only what it imports or defines exists), one after the other in this process; one
 JSON line per block goes to OUT: ``{"line", "status": "passed" | "failed" | "compiled",
 "detail"}``. A block whose first line is ``# needs: cuda``, ``# needs: tpu``,
-``# needs: multi-host``, ``# needs: vllm`` or ``# needs: sglang-jax`` is only compiled where that is missing here ("compiled", with the
-reason).
+``# needs: multi-host``, ``# needs: vllm``, ``# needs: sglang-jax`` or ``# needs: sglang`` is only
+compiled where that is missing here ("compiled", with the reason).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import traceback
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host|vllm|sglang-jax)\b")
+NEEDS = re.compile(r"#\s*needs:\s*(cuda|tpu|multi-host|vllm|sglang-jax|sglang)\b")
 
 
 def blocks(text: str) -> list[tuple[int, str]]:
@@ -43,6 +43,11 @@ def missing(need: str) -> str | None:
 
         found = importlib.util.find_spec("sgl_jax")
         return None if found else "needs sglang-jax (scripts/setup-sglang-jax.sh)"
+    if need == "sglang":
+        import importlib.util
+
+        found = importlib.util.find_spec("sglang")
+        return None if found else "needs sglang (scripts/setup-sglang.sh)"
     return "needs several hosts"
 
 

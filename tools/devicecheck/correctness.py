@@ -72,6 +72,20 @@ SUITES: tuple[Suite, ...] = (
         gpu_must_pass=("torch-cuda", "jax-gpu"),
         typical_s=60.0,
     ),
+    # the sglang plugin against sglang's own mask build, masks on the GPU (from_device's CUDA
+    # event, the pinned upload); runs where sglang's CUDA build is installed, else skips
+    Suite(
+        "sglang",
+        (
+            "tests/real_sglang/test_masks.py",
+            "tests/real_sglang/test_chain.py",
+            "tests/real_sglang/test_fill.py",
+            "tests/real_sglang/test_plugin.py",
+        ),
+        gpu_args=("--confcutdir=tests/real_sglang",),
+        cpu_args=("--confcutdir=tests/real_sglang",),
+        typical_s=240.0,
+    ),
 )
 
 #: skip reasons that mean "no GPU here": a failure on the GPU machine

@@ -1,0 +1,319 @@
+"""sglang's internals as the plugin reads them: the only file of the plugin that names them.
+
+The plugin replaces three functions of sglang:
+
+* ``spec_utils.build_grammar_vocab_mask``, the speculative workers' mask build (EAGLE v2,
+  standalone, frozen-KV MTP, multi-layer EAGLE, UNO through ``run_eagle_verify``; NGRAM;
+  DFlash and DSpark), also where a worker bound it with ``from ... import`` before the plugin
+  was installed;
+* ``spec_utils.GrammarTree.from_linear_chain``, wrapped: the trees it makes are marked as
+  chains, which the library builds without walking links;
+* ``BaseGrammarObject.fill_vocab_mask_batched``, the plain one-row-per-request fill of
+  ``SamplingBatchInfo.update_regex_vocab_mask``.
+
+It relies on sglang's grammar objects as they are at the releases listed below: the fields
+and methods of ``XGrammarGrammar`` (``matcher``), ``GuidanceGrammar`` (``ll_matcher``,
+``finished``, ``eos_tokens``; a copy is made through its constructor) and
+``ReasonerGrammarObject`` (its phase, end tokens and inner grammar), on ``GrammarTree``'s
+host tensors, and on sglang's own ``generate_token_bitmask`` and ``traverse_tree``, which
+build what the library leaves to sglang. Everything replaced or read is listed in
+:data:`TARGETS` and :data:`READS`; each sglang release the plugin knows is one row of
+:data:`REVISIONS`: the version sglang reports and the SHA-256 of the source of each of them.
+An sglang whose source differs in any of them is not patched: one warning, then sglang's own
+code.
+
+To add a release: install it, run ``python -m portable_spec.integrations.sglang.internals``
+(it prints this process's sglang version and source hashes), check that the rules of
+``grammars.py`` still describe its grammar objects, and add the row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from portable_spec.integrations.patching import Patch, PatchSet, Revision, resolve, source_hash
+
+__all__ = [
+    "BUILD",
+    "CHAIN",
+    "CHAIN_MARK",
+    "FILL",
+    "READS",
+    "REVISIONS",
+    "TARGETS",
+    "generate_token_bitmask",
+    "grammar_mask",
+    "kind_of",
+    "logger",
+    "patch_set",
+    "traverse_tree",
+    "version",
+    "xgrammar_rows",
+]
+
+#: A child of sglang's logger: the plugin's lines come out with sglang's format and level.
+logger = logging.getLogger("sglang.portable_spec")
+
+ENGINE = "sglang"
+_SPEC = "sglang.srt.speculative.spec_utils"
+_BASE = "sglang.srt.constrained.base_grammar_backend"
+_XGR = "sglang.srt.constrained.xgrammar_backend"
+_LLG = "sglang.srt.constrained.llguidance_backend"
+_REASONER_MODULE = "sglang.srt.constrained.reasoner_grammar_backend"
+
+#: the speculative workers' mask build (replaced, and rebound where a worker imported it)
+BUILD = f"{_SPEC}:build_grammar_vocab_mask"
+#: the chain-verify trees' constructor (wrapped: its trees are marked as chains)
+CHAIN = f"{_SPEC}:GrammarTree.from_linear_chain"
+#: the plain fill (replaced)
+FILL = f"{_BASE}:BaseGrammarObject.fill_vocab_mask_batched"
+TARGETS = (BUILD, CHAIN, FILL)
+
+_GENERATE = f"{_SPEC}:generate_token_bitmask"
+_TRAVERSE = f"{_SPEC}:traverse_tree"
+_XGRAMMAR = f"{_XGR}:XGrammarGrammar"
+_GUIDANCE = f"{_LLG}:GuidanceGrammar"
+_REASONER = f"{_REASONER_MODULE}:ReasonerGrammarObject"
+#: what the plugin reads or calls (recognised by source hash, never replaced): the tree's
+#: fields and constructors, sglang's own build (shadow mode; what the library leaves to it),
+#: the mask wrapper, the plain fill's caller and entries, and the grammar objects
+READS = (
+    _GENERATE,
+    _TRAVERSE,
+    f"{_SPEC}:GrammarTree.__init__",
+    f"{_SPEC}:GrammarTree.from_device",
+    f"{_SPEC}:GrammarTree.from_host",
+    f"{_SPEC}:GrammarTree.resolve",
+    f"{_BASE}:GrammarMask",
+    f"{_BASE}:GrammarRow",
+    "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.update_regex_vocab_mask",
+    _XGRAMMAR,
+    f"{_XGR}:_allocate_token_bitmask",
+    _GUIDANCE,
+    _REASONER,
+)
+
+#: The sglang releases the plugin knows: version prefix and the source hash of every target.
+REVISIONS: dict[str, Revision] = {
+    "0.5.23": Revision(
+        "0.5.23",
+        {
+            BUILD: "daf0729f28eb1d0ea509c276911cb78c7fa4940a8ad510e50a68a016991908bc",
+            CHAIN: "a0e9ff3e86c4809af4e0047b1971c30bdfd1a69e87d2d38749792d6e45e137ee",
+            FILL: "f3afe29c6c70b50ea2ca1188723bd060575542707e2f607c7dc0b27fbfba7055",
+            _GENERATE: "1ba2d02e64d5e4be749d206b4d451a1164d112aa31a686c278587f0a82404535",
+            _TRAVERSE: "ade4b1cee6a7b22bb53eb6e755faca2f2016dda8a5c02fc0b9bc329262ffe116",
+            f"{_SPEC}:GrammarTree.__init__": (
+                "6513f405aa8b28d2e43eddb836522a88ad590bcf85d09a08d5229cd2bf35bef2"
+            ),
+            f"{_SPEC}:GrammarTree.from_device": (
+                "6c4a9b60f060063ce2491da48fcad2f8b4520c669b53406bbc0ec11ec413b498"
+            ),
+            f"{_SPEC}:GrammarTree.from_host": (
+                "6ed61008398ee35392be1cc0e55b2d0e55d9bf960145489622c48de87978ce58"
+            ),
+            f"{_SPEC}:GrammarTree.resolve": (
+                "b66c4f71ee70d6d542b6806865a34d44ac63b880216bc024b8c923ea17b2a2f1"
+            ),
+            f"{_BASE}:GrammarMask": (
+                "db3885dcf902951722429f569a52a25f0a4d944e95c37dfc611de1800aa0156c"
+            ),
+            f"{_BASE}:GrammarRow": (
+                "d3ed817d1b171f69619e6fd8f0848b55914cc7789d2abeef7900011e3e316925"
+            ),
+            "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.update_regex_vocab_mask": (
+                "2e03a7b8cf9993c92a51b5867edb07a225916ef708ba5836e3a13d37ed00cbaa"
+            ),
+            _XGRAMMAR: "bbfb81afa55b294da951ddd443e6026f7a769951fcb6619ca971811478941482",
+            f"{_XGR}:_allocate_token_bitmask": (
+                "13e33bd5819e63c982489ee9a2db483e491ff5d86910f99d48bb9ea84aaf0286"
+            ),
+            _GUIDANCE: "94ba69c244ba271300ef7588441470a87e6ef95abbb18ec9d4889ed6c46c4780",
+            _REASONER: "1c0088a5ae7b97d46fddbf3a04847c14e620f1555137fcf33d079620e8b886bf",
+        },
+    )
+}
+
+
+def version() -> str | None:
+    """The installed sglang's version (from its distribution metadata: nothing is imported),
+    or None without sglang."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def patch_set(
+    build: Callable[[Any], Any], chain: Callable[[Any], Any], fill: Callable[[Any], Any]
+) -> PatchSet:
+    """sglang's patch set: each target replaced by its ``make(sglang's own)``, :data:`READS`
+    recognised."""
+    return PatchSet(
+        ENGINE,
+        patches=[
+            Patch(BUILD, build, rebind=True),
+            Patch(CHAIN, chain),
+            Patch(FILL, fill),
+            *(Patch(target) for target in READS),
+        ],
+        revisions=REVISIONS,
+        version=version,
+        logger=logger,
+    )
+
+
+# -- what the plugin calls of sglang's own (the modules are imported once it is installed) ----
+
+
+def generate_token_bitmask(*args: Any) -> Any:
+    """sglang's own ``generate_token_bitmask(reqs, next_token, next_sibling, draft, vocab)``:
+    ``(host mask or None, the last grammar)``."""
+    return resolve(_GENERATE)[2](*args)
+
+
+def traverse_tree(*args: Any, **kwargs: Any) -> None:
+    """sglang's own ``traverse_tree`` of one request into its rows."""
+    resolve(_TRAVERSE)[2](*args, **kwargs)
+
+
+def grammar_mask(grammar: Any, mask: Any) -> Any:
+    """sglang's ``GrammarMask(grammar, vocab_mask)``."""
+    return resolve(f"{_BASE}:GrammarMask")[2](grammar, mask)
+
+
+#: the attribute the chain constructor's wrapper sets on the trees it returns
+CHAIN_MARK = "_portable_spec_chain"
+
+# -- the grammar objects ----------------------------------------------------------------------
+
+XGRAMMAR, GUIDANCE, REASONER = "xgrammar", "guidance", "reasoner"
+_KINDS = {
+    ("sglang.srt.constrained.xgrammar_backend", "XGrammarGrammar"): XGRAMMAR,
+    ("sglang.srt.constrained.llguidance_backend", "GuidanceGrammar"): GUIDANCE,
+    ("sglang.srt.constrained.reasoner_grammar_backend", "ReasonerGrammarObject"): REASONER,
+}
+_kind_cache: dict[type, str | None] = {}
+
+
+def kind_of(grammar: Any) -> str | None:
+    """:data:`XGRAMMAR`, :data:`GUIDANCE` or :data:`REASONER` for sglang's grammar objects of
+    exactly those classes, None for any other object (subclasses included: their overrides
+    are unknown)."""
+    cls = type(grammar)
+    try:
+        return _kind_cache[cls]
+    except KeyError:
+        kind = _KINDS.get((cls.__module__, cls.__qualname__))
+        _kind_cache[cls] = kind
+        return kind
+
+
+def xgrammar_matcher(grammar: Any) -> Any:
+    """An ``XGrammarGrammar``'s ``xgrammar.GrammarMatcher``."""
+    return grammar.matcher
+
+
+_classes: dict[str, Any] = {}
+
+
+def xgrammar_rows(entries: Any, words: int) -> tuple[list[int], list[Any], list[Any]]:
+    """Split the plain fill's ``GrammarRow`` entries: the rows and ``xgrammar.GrammarMatcher``
+    of the ``XGrammarGrammar`` objects (exactly that class) whose vocabulary fills ``words``
+    words, and the other entries. One pass, a few attribute reads per entry."""
+    cls = _classes.get(_XGRAMMAR)
+    if cls is None:
+        cls = _classes.setdefault(_XGRAMMAR, resolve(_XGRAMMAR)[2])
+    rows: list[int] = []
+    matchers: list[Any] = []
+    rest: list[Any] = []
+    for entry in entries:
+        grammar = entry.grammar
+        if type(grammar) is cls and (grammar.vocab_size + 31) >> 5 == words:
+            rows.append(entry.row)
+            matchers.append(grammar.matcher)
+        else:
+            rest.append(entry)
+    return rows, matchers, rest
+
+
+def xgrammar_vocab_size(grammar: Any) -> int:
+    """The vocabulary an ``XGrammarGrammar``'s matcher was made for (the model's)."""
+    return int(grammar.vocab_size)
+
+
+def guidance_parts(grammar: Any) -> tuple[Any, bool, Any]:
+    """A ``GuidanceGrammar``'s ``(llguidance.LLMatcher, finished, end tokens)``: sglang ends
+    the grammar (``finished``) on an end token consumed by a matcher that had stopped, and
+    otherwise gives every token, end tokens included, to the matcher."""
+    return grammar.ll_matcher, bool(grammar.finished), grammar.eos_tokens
+
+
+def guidance_words(grammar: Any) -> int:
+    """The width in words of the masks a ``GuidanceGrammar`` allocates (its tokenizer's)."""
+    return (int(grammar.llguidance_tokenizer.vocab_size) + 31) // 32
+
+
+def guidance_copy(grammar: Any) -> Any:
+    """A ``GuidanceGrammar`` in the same state on a copy of its matcher (sglang's own methods
+    then replay a path on it without moving the original)."""
+    copy = type(grammar)(
+        grammar.llguidance_tokenizer,
+        grammar.serialized_grammar,
+        ll_matcher=grammar.ll_matcher.deep_copy(),
+    )
+    copy.finished = grammar.finished
+    return copy
+
+
+def reasoner_parts(grammar: Any) -> dict[str, Any]:
+    """A ``ReasonerGrammarObject``'s state as the plugin's rules read it (nothing moves)."""
+    return {
+        "inner": grammar.grammar,
+        "thinking": bool(grammar._is_thinking()),
+        "answering": bool(grammar._is_generation()),
+        "grammar_covers_reasoning": bool(grammar.reasoning_in_grammar),
+        "token_filter": bool(grammar.enable_token_filter),
+        "end_ids": tuple(grammar.think_end_ids),
+        "end_matched": int(grammar._matched_think_end_tokens),
+    }
+
+
+def allocate_rows(grammar: Any, vocab_size: int, rows: int) -> Any:
+    """Host rows as sglang allocates them for a step whose first grammar is ``grammar``."""
+    return grammar.allocate_vocab_mask(vocab_size=vocab_size, batch_size=rows, device="cpu")
+
+
+def allocates_bitmask(grammar: Any, words: int) -> bool:
+    """Whether ``grammar`` allocates int32 bitmask rows of ``words`` words (one row is
+    allocated to see)."""
+    import torch
+
+    try:
+        row = allocate_rows(grammar, 32 * words, 1)
+    except Exception:
+        return False
+    return (
+        isinstance(row, torch.Tensor)
+        and row.dtype == torch.int32
+        and tuple(row.shape) == (1, words)
+    )
+
+
+def print_sources() -> None:
+    """Print this process's sglang version and the source hash of every target."""
+    print(f"sglang {version()}")
+    for target in (*TARGETS, *READS):
+        print(f"{target}: {source_hash(resolve(target)[2])}")
+
+
+if __name__ == "__main__":
+    importlib.import_module("sglang")
+    print_sources()

@@ -1,0 +1,1 @@
+"""Test stub (see ../README.md)."""

@@ -1,0 +1,5 @@
+"""Test stub (see ../../README.md)."""
+
+from torchvision.transforms.functional import InterpolationMode
+
+__all__ = ["InterpolationMode"]
