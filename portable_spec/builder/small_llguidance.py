@@ -77,12 +77,14 @@ def in_place(
     ):
         return None
     words = (vocab_size + 31) >> 5
+    bounds = []  # each request's tokens bounded by its tokenizer's vocabulary
     for g in grammars:
         if _kind_by_type.get(type(g)) != LLGUIDANCE:
             return None
         info = llguidance_info(g)
         if info is None or info.words != words or g.is_error():
             return None
+        bounds.append(min(vocab_size, info.vocab_size))
     if batch > 1 and len({id(g) for g in grammars}) != batch:
         return None
     rows = tree.rows
@@ -113,7 +115,7 @@ def in_place(
         began = perf_counter()
         failed, error = compiled.llguidance_walks(
             mask, links[0], links[1], draft.reshape(-1), spans, matchers,
-            min(vocab_size, 32 * words), chain, counts, None, accepted,
+            np.array(bounds, dtype=np.int64), chain, counts, None, accepted,
         )  # fmt: skip
         seconds = perf_counter() - began
     finally:

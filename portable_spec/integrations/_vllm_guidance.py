@@ -20,6 +20,10 @@ Whether llguidance consumed every draft is read off the chain's last row, cleare
 call: llguidance writes it only then, and a written row is (almost) never all-zero. A row left
 all-zero (a refused draft, a complete grammar, the end token, or that rare row) makes the
 matcher say how far it goes: ``try_consume_tokens``, rolled back.
+
+A draft at or past the tokenizer's vocabulary (a padding id of logits wider than the
+tokenizer) is never handed to llguidance, which takes one for an error it never leaves: the
+chain stops before it, and it is refused as a draft the parser does not take.
 """
 
 from __future__ import annotations
@@ -37,16 +41,18 @@ __all__ = ["guidance_rows"]
 
 _WRAPPER = "GuidanceGrammar"  # vLLM's llguidance grammar class
 _wrapper_types: set[type] = set()
-_eos: dict[int, tuple[Any, int]] = {}  # id(LLTokenizer) -> (the tokenizer, its end token)
+# id(LLTokenizer) -> (the tokenizer, its end token, its vocabulary size)
+_eos: dict[int, tuple[Any, int, int]] = {}
 
 
-def _end_token(tokenizer: Any) -> int:
+def _tokenizer_facts(tokenizer: Any) -> tuple[Any, int, int]:
     entry = _eos.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         if len(_eos) > 64:
             _eos.clear()
-        entry = _eos[id(tokenizer)] = (tokenizer, int(tokenizer.eos_token))
-    return entry[1]
+        entry = (tokenizer, int(tokenizer.eos_token), int(tokenizer.vocab_size))
+        _eos[id(tokenizer)] = entry
+    return entry
 
 
 def guidance_rows(
@@ -62,7 +68,9 @@ def guidance_rows(
     rows vLLM never reads, or ``None`` (nothing moved; rows may have been written) when the
     step is not one this path takes: another backend, a draft that is neither a token id nor
     ``-1`` padding, a chain longer than the strided layout allows, a matcher in its error
-    state or held by a build of the library, a mask width llguidance refuses. ``stride_k``: the
+    state or held by a build of the library, a mask width llguidance refuses. A draft at or
+    past the tokenizer's vocabulary (inside the mask) is a refused draft, never handed to
+    llguidance. ``stride_k``: the
     number of speculative tokens for vLLM 0.33's strided rows, ``None`` for 0.32's packed ones.
     Blocks until the rows are written; every matcher ends where it started.
     """
@@ -128,27 +136,29 @@ def _write(
             row = nxt
             continue
         p = tokens.index(-1) if m and min(tokens) < 0 else m
-        if p == 0:
-            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, nbytes)
-            if m:
-                out[row + 1 : end + 1] = -1
-            row = nxt
-            continue
-        chain = tokens[:p] if p < m else tokens
-        last = out[row + p]
-        last[:] = 0
-        matcher.unsafe_compute_mask_ptr_with_draft_token(base + row * row_bytes, nbytes, chain)
-        eos = _end_token(grammar.ll_tokenizer)
-        stopped = False
-        if last.any():
-            c = p
-        else:  # the chain ended early: ask the matcher where (it ends where it started)
+        _, eos, vocab = _tokenizer_facts(grammar.ll_tokenizer)
+        # llguidance is handed the drafts before the first one past its vocabulary
+        q = next((i for i in range(p) if tokens[i] >= vocab), p)
+        if q == 0:
             if matcher.is_error():
                 return None
-            c = matcher.try_consume_tokens(chain)
-            stopped = c < p and matcher.is_stopped()
-            if c:
-                matcher.rollback(c)
+            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, nbytes)
+            c, stopped = 0, p > 0 and matcher.is_stopped()
+        else:
+            chain = tokens[:q]
+            last = out[row + q]
+            last[:] = 0
+            matcher.unsafe_compute_mask_ptr_with_draft_token(base + row * row_bytes, nbytes, chain)
+            if q == p and last.any():
+                c, stopped = p, False
+            else:  # the chain ended early: ask the matcher where (it ends where it started)
+                if matcher.is_error():
+                    return None
+                c = matcher.try_consume_tokens(chain)
+                stopped = c < p and matcher.is_stopped()
+                if c:
+                    matcher.rollback(c)
+        chain = tokens[:p]
         if eos in chain[:c]:  # consumed: the grammar ended; every later row all-allowed
             out[row + chain.index(eos) + 1 : end + 1] = -1
         elif stopped:
