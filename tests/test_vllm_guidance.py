@@ -293,6 +293,24 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     for owner, reqs, drafts, stride_k in cases:
         assert _vllm_guidance.guidance_rows(owner, reqs, ids, drafts, stride_k, buffer) is None
         assert _states(requests) == before
+    # objects not shaped as vLLM's: declined, not raised (drafts that are not ints, an id
+    # with no request, a wrapper without a tokenizer, a mask wider than the tokenizer's)
+    bare = SimpleNamespace(ll_matcher=requests["r1"].structured_output_request.grammar.ll_matcher)
+    odd = dict(requests, r1=SimpleNamespace(structured_output_request=StructuredOutputRequest(
+        GuidanceGrammar(bare.ll_matcher, None))))  # fmt: skip
+    wide = np.zeros((buffer.shape[0], WORDS + 1), dtype=np.int32)
+    shapes = [
+        (requests, ids, dict(spec, r1=[5.0]), buffer),
+        (requests, ids, dict(spec, r1=["5"]), buffer),
+        (requests, ids, dict(spec, r1=[True]), buffer),
+        (requests, ids, dict(spec, r1=5), buffer),
+        (requests, [*ids, "gone"], spec, buffer),
+        (odd, ids, spec, buffer),
+        (requests, ids, spec, wide),
+    ]
+    for reqs, which, drafts, rows in shapes:
+        assert _vllm_guidance.guidance_rows(manager, reqs, which, drafts, None, rows) is None
+        assert _states(requests) == before
     matcher = requests["r0"].structured_output_request.grammar.ll_matcher
     token, held = hold_matchers([matcher])
     try:

@@ -20,7 +20,10 @@
    (their methods release it themselves while they compute a mask), through the method
    protocol. Reading vLLM's objects runs Python code too: each object is held by a reference
    from the moment it is read, the drafts are copied before the first call, and the matchers
-   are held in the held table for the whole step. */
+   are held in the held table for the whole step.
+
+   A part of module.c (one translation unit): it uses arrays.c, walk.c (the Walk and its held
+   table), vllm.c (the names of vLLM's request fields) and llguidance.c (its method calls). */
 
 static PyObject *s_ll_matcher, *s_ll_tokenizer, *s_terminated, *s_fill_chain;
 
@@ -97,8 +100,9 @@ static int gstep_drafts(GStep *s, Py_ssize_t b, PyObject *tokens, Py_ssize_t str
     return 1;
 }
 
-/* Request b's wrapper read: its matcher entered in the walk (unless `terminated`) and its end
-   token. 1, or 0 to decline (an error may be set). */
+/* Request b's wrapper read: its matcher entered in the walk (unless `terminated`), its end
+   token and vocabulary size (the mask as wide as that vocabulary's). 1, or 0 to decline (an
+   error may be set). */
 static int gstep_wrapper(GStep *s, Py_ssize_t b, PyObject *grammar, PyObject *ends) {
     PyObject *flag = PyObject_GetAttr(grammar, s_terminated);
     if (flag == NULL) return 0;
@@ -107,7 +111,8 @@ static int gstep_wrapper(GStep *s, Py_ssize_t b, PyObject *grammar, PyObject *en
     if (terminated < 0) return 0;
     PyObject *tokenizer = PyObject_GetAttr(grammar, s_ll_tokenizer);
     if (tokenizer == NULL) return 0;
-    int known = gstep_end_token(ends, tokenizer, &s->eos[b], &s->vocab[b]) == 0;
+    int known = gstep_end_token(ends, tokenizer, &s->eos[b], &s->vocab[b]) == 0 &&
+                (s->vocab[b] + 31) / 32 == (int64_t)s->words; /* the mask is the tokenizer's */
     Py_DECREF(tokenizer);
     if (!known || terminated) return known;
     PyObject *matcher = PyObject_GetAttr(grammar, s_ll_matcher);

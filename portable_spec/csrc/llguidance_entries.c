@@ -1,5 +1,8 @@
 /* llguidance_walks and llguidance_masks: batches of llguidance matchers walked from C
-   (llguidance.c's walk, one entry after the other, the GIL held but for the masks). */
+   (llguidance.c's walk, one entry after the other, the GIL held but for the masks).
+
+   A part of module.c (one translation unit): it uses arrays.c, env.c, walk.c (the Walk and
+   its held table), masks.c (the outputs and the tally of a build) and llguidance.c. */
 
 /* The raised exception, taken off the interpreter (a new reference, never NULL while one is
    set). */
