@@ -34,7 +34,7 @@ _end_arrays: dict[frozenset[int], np.ndarray] = {}
 
 
 def build_chain_bitmask(
-    grammars: Sequence[Any],
+    matchers: Sequence[Any],
     drafts: Sequence[Sequence[int]],
     vocab_size: int,
     *,
@@ -51,7 +51,7 @@ def build_chain_bitmask(
     (same row contract, same ``reasoning`` rule, same valid flags, same errors).
 
     Args:
-        grammars: one entry per request, as for :func:`portable_spec.build_host_bitmask`
+        matchers: one entry per request, as for :func:`portable_spec.build_host_bitmask`
             (``None``, an ``xgrammar.GrammarMatcher`` or a
             :class:`portable_spec.GrammarMatcherLike`), each in the state after the request's
             committed tokens.
@@ -76,19 +76,23 @@ def build_chain_bitmask(
         ``[rows]`` (packed). ``None`` (or ``(None, valid)``) when no request has a grammar.
 
     Raises:
-        TypeError, ValueError: malformed drafts (naming the request), grammars,
+        TypeError, ValueError: malformed drafts (naming the request), matchers,
             ``vocab_size``, ``out`` or ``reasoning``; raised before any matcher moves.
         MatcherError: a matcher failed during its walk (``request_index`` names it); every
             matcher is back in its state.
 
     Blocks until the mask is written; every matcher ends in the state it started in.
     """
-    done = _direct(grammars, drafts, vocab_size, rows_per_request, out, reasoning, return_valid)
+    done = _direct(matchers, drafts, vocab_size, rows_per_request, out, reasoning, return_valid)
     if done is not None:
         return done
     tree = chain_tree(drafts, rows_per_request)
+    if type(matchers) in (list, tuple) and len(matchers) != tree.batch:
+        raise ValueError(
+            f"len(matchers) = {len(matchers)} but drafts holds {tree.batch} requests' chains"
+        )
     return build_host_bitmask(
-        grammars, tree, vocab_size, out=out, reasoning=reasoning, return_valid=return_valid
+        matchers, tree, vocab_size, out=out, reasoning=reasoning, return_valid=return_valid
     )
 
 

@@ -40,7 +40,7 @@ __all__ = ["build_host_bitmask"]
 
 
 def build_host_bitmask(
-    grammars: Sequence[Any],
+    matchers: Sequence[Any],
     tree: GrammarTree,
     vocab_size: int,
     *,
@@ -53,7 +53,7 @@ def build_host_bitmask(
     """Build the grammar bitmask of every node of every request's verify tree, on the host.
 
     Args:
-        grammars: one entry per request: ``None`` (unconstrained), an
+        matchers: one entry per request: ``None`` (unconstrained), an
             ``xgrammar.GrammarMatcher``, or an object following
             :class:`portable_spec.GrammarMatcherLike`. Each matcher must be in the state after
             the request's committed tokens (node 0's token included).
@@ -76,7 +76,7 @@ def build_host_bitmask(
             get their grammar only below the node that ends the reasoning, per path (rows
             before it allow everything but the content end tokens the grammar refuses first).
             Dense layout only (``ValueError`` with ``layout="compact"``).
-        return_valid: also return which nodes the grammars (and the reasoning rule) accept.
+        return_valid: also return which nodes the matchers (and the reasoning rule) accept.
 
     Returns:
         ``None`` when the batch is empty or no request has a grammar (``out`` untouched).
@@ -98,7 +98,7 @@ def build_host_bitmask(
         ``(None, valid)`` when no request has a grammar.
 
     Raises:
-        TypeError, ValueError: malformed tree, grammars, ``vocab_size`` or ``out``; raised
+        TypeError, ValueError: malformed tree, matchers, ``vocab_size`` or ``out``; raised
             before any matcher moves.
         MatcherError: a matcher raised during its walk (``request_index`` names it; the
             original exception is chained). Every matcher is back in its starting state.
@@ -114,11 +114,11 @@ def build_host_bitmask(
         # in Python (see small.py); None from either when anything is unusual
         done = None
         if tree._inplace is not None:
-            llg = type(grammars) in (list, tuple) and grammars and _llguidance(grammars[0])
+            llg = type(matchers) in (list, tuple) and matchers and _llguidance(matchers[0])
             quick = small_llguidance.in_place if llg else small.in_place
-            done = quick(grammars, tree, vocab_size, out, return_valid)
+            done = quick(matchers, tree, vocab_size, out, return_valid)
         if done is None and (tree._chain or tree._packed):
-            done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
+            done = small.small_chains(matchers, tree, vocab_size, out, return_valid)
         if done is not None:
             return done
     vocab_size = check_vocab_size(vocab_size)
@@ -137,16 +137,16 @@ def build_host_bitmask(
         if out is not None:
             check_dense_out(out, tree.rows, words)
         checked = check_reasoning(reasoning, batch, vocab_size)
-        thinking = [b for b in range(batch) if checked.active[b] and grammars[b] is not None]
-    if type(grammars) is list or type(grammars) is tuple:
+        thinking = [b for b in range(batch) if checked.active[b] and matchers[b] is not None]
+    if type(matchers) is list or type(matchers) is tuple:
         # read once: another thread changing the caller's list meanwhile changes nothing
-        grammars = list(grammars)
-    kinds, infos = classify_grammars(grammars, batch, vocab_size)
-    if thinking:  # every check before any matcher moves: the grammars, then the links
+        matchers = list(matchers)
+    kinds, infos = classify_grammars(matchers, batch, vocab_size)
+    if thinking:  # every check before any matcher moves: the matchers, then the links
         arrays = tree.resolve()
         tree.validate()
         return build_with_reasoning(
-            build_host_bitmask, grammars, tree, arrays, vocab_size, words, checked, thinking,
+            build_host_bitmask, matchers, tree, arrays, vocab_size, words, checked, thinking,
             out, return_valid,
         )  # fmt: skip
     constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
@@ -157,11 +157,11 @@ def build_host_bitmask(
         return None
     # the matchers this build walks, held until it is done (ValueError if another build holds
     # one: it would walk them at the same time)
-    grammars = list(grammars)
-    token, held = hold_matchers(grammars)
+    matchers = list(matchers)
+    token, held = hold_matchers(matchers)
     try:
         return _build_held(
-            grammars, tree, vocab_size, out, layout, max_rows, return_valid, kinds, infos,
+            matchers, tree, vocab_size, out, layout, max_rows, return_valid, kinds, infos,
             constrained, words,
         )  # fmt: skip
     finally:
