@@ -50,4 +50,5 @@ cd "$tree"
 "$python" -m pytest -q -p no:cacheprovider \
   tests/test_native.py tests/test_threads.py tests/test_xgrammar_ffi.py tests/test_small_trees.py \
   tests/test_chain_lists.py tests/test_vllm_fast.py tests/test_vllm_guidance.py \
-  tests/test_llguidance_paths.py tests/test_native_bounds.py "$@"
+  tests/test_llguidance_paths.py tests/test_llguidance_vocabulary.py tests/test_native_bounds.py \
+  "$@"
