@@ -30,7 +30,7 @@ from _engines import LLRequest, matcher_prints  # noqa: E402
 import portable_spec as ps  # noqa: E402
 from portable_spec import native as compiled  # noqa: E402
 from portable_spec import testing as samples  # noqa: E402
-from portable_spec.builder import dense, jobs, small_llguidance  # noqa: E402
+from portable_spec.builder import compact, dense, routes, small_llguidance  # noqa: E402
 from portable_spec.engines.llguidance import probe_llguidance  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
@@ -83,21 +83,36 @@ def test_the_probe_finds_the_tokenizer_vocabulary(size):
 
 
 # -- every route, one request set ----------------------------------------------------------------
-ROUTES = ("small", "small_python", "batch", "single", "python", "executor", "compact")
+ROUTES = ("small", "batch", "single", "python", "executor", "compact")
 
 
-def _route(route, monkeypatch):
-    """Force the build of a small batch of llguidance requests onto ``route``."""
-    if route in ("small_python",):  # the small build's Python lines
-        monkeypatch.setattr(compiled, "llguidance_masks", lambda *args: None)
+def _executor_spy(monkeypatch) -> list[int]:
+    """Count the calls of llguidance's executor fill (dense and compact layouts), so that a
+    test forcing it can tell that it ran."""
+    calls: list[int] = []
+    for module in (dense, compact):
+        real = module.fill_llguidance_chains
+
+        def spy(*args, real=real, **kwargs):
+            calls.append(len(args[0]))  # the group: request -> matcher
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "fill_llguidance_chains", spy)
+    return calls
+
+
+def _route(route, monkeypatch) -> list[int]:
+    """Force the build of a small batch of llguidance requests onto ``route``; returns the
+    executor spy's calls."""
     if route in ("batch", "single", "executor", "compact"):  # the general build
         monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
     if route == "single":
         monkeypatch.setattr(dense._DenseRows, "llguidance_walks", lambda *args: None)
-    if route in ("executor", "compact"):  # llguidance's executor fills the chains
-        monkeypatch.setattr(jobs, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", 1)
+    if route in ("executor", "compact"):  # llguidance's executor fills the chains, any size
+        monkeypatch.setattr(routes, "EXECUTOR_WORK", 1)
     if route == "python":
         compiled.use(None)  # (the caller restores the helper)
+    return _executor_spy(monkeypatch)
 
 
 def _requests(smollm2, size):
@@ -145,7 +160,7 @@ def test_a_draft_past_the_vocabulary_is_a_refused_node(smollm2, route, shape, lo
     before = matcher_prints(matchers, WORDS, PROBE)
     real = compiled.native
     try:
-        _route(route, monkeypatch)
+        executor = _route(route, monkeypatch)
         reset_grammar_stats()
         if route == "compact":
             mask, valid = (
@@ -157,6 +172,7 @@ def test_a_draft_past_the_vocabulary_is_a_refused_node(smollm2, route, shape, lo
         stats = ps.grammar_stats()
     finally:
         compiled.use(real)
+    assert bool(executor) == (route in ("executor", "compact")), executor
     assert not any(m.is_error() for m in matchers)
     assert matcher_prints(matchers, WORDS, PROBE) == before
     case = SimpleNamespace(requests=requests, next_token=nt, next_sibling=ns, draft=draft,
@@ -169,18 +185,26 @@ def test_a_draft_past_the_vocabulary_is_a_refused_node(smollm2, route, shape, lo
         assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
 
 
-def test_many_chains_with_padding_drafts_leave_every_matcher_usable(smollm2):
-    """130 chain requests under logits wider than the tokenizer (the executor's batch), each
-    chain with a padding id past the tokenizer's vocabulary: the replay's rows, and every
-    matcher still usable where it started."""
+@pytest.mark.parametrize("route", ["default", "general"])
+def test_many_chains_with_padding_drafts_leave_every_matcher_usable(smollm2, route, monkeypatch):
+    """130 chain requests under logits wider than the tokenizer, each chain with a padding id
+    past the tokenizer's vocabulary, by the route the table picks and by the general build
+    (there, at the route table's own thresholds, llguidance's executor: the batch is past
+    EXECUTOR_WORK): the replay's rows, and every matcher still usable where it started."""
     size, logits = 49157, 32 * WORDS
     requests, draft = _requests(smollm2, size)
     requests = [requests[b % 3] for b in range(130)]
     draft = draft[np.arange(130) % 3]
     matchers = [r.native() for r in requests]
+    if route == "general":
+        monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
+        assert routes.work(draft.size, WORDS) >= routes.EXECUTOR_WORK  # the case of the defect
+    executor = _executor_spy(monkeypatch)
     mask, valid = ps.build_host_bitmask(
         matchers, ps.GrammarTree.from_linear_chain(draft), logits, return_valid=True
     )
+    if route == "general":
+        assert executor == [130], executor
     assert not any(m.is_error() for m in matchers)
     nodes = draft.shape[1]
     nt = np.tile(np.array([*range(1, nodes), -1], dtype=np.int64), (130, 1))
@@ -223,7 +247,8 @@ def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(
         tree = lambda: ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)  # noqa: E731
     if route in ("executor", "compact"):
         monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
-        monkeypatch.setattr(jobs, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", 1)
+        monkeypatch.setattr(routes, "EXECUTOR_WORK", 1)
+    executor = _executor_spy(monkeypatch)
     before = matcher_prints(case.matchers, WORDS, PROBE)
     built = []
     real = compiled.native
@@ -247,6 +272,8 @@ def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(
         assert not any(m is not None and m.is_error() for m in case.matchers)
         assert matcher_prints(case.matchers, WORDS, PROBE) == before
     (mask, valid, counts), (mask_py, valid_py, counts_py) = built
+    if route in ("executor", "compact") and any(m is not None for m in case.matchers):
+        assert executor, "llguidance's executor did not run"
     assert (mask is None) == (mask_py is None)
     if mask is not None:
         np.testing.assert_array_equal(mask, mask_py)

@@ -215,7 +215,7 @@ def test_bad_arrays(args, error, pattern):
 def test_bad_grammars(smollm2, recording):
     xm, pm = recording
     tree = _tree()
-    with pytest.raises(ValueError, match=r"len\(grammars\) = 1 but the tree has batch 2"):
+    with pytest.raises(ValueError, match=r"len\(matchers\) = 1 but the tree has batch 2"):
         ps.build_host_bitmask([xm], tree, smollm2.size)
     with pytest.raises(TypeError, match=r"matchers\[1\] is a builtins.str"):
         ps.build_host_bitmask([pm, "json"], tree, smollm2.size)
