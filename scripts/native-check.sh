@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The compiled helper's own checks (CI runs them; about 5 minutes on 2 cores):
+# The compiled helper's own checks (CI runs them; about 10 minutes on 2 busy cores):
 #   1. a strict build: -Wall -Wextra -Werror, with numpy's headers and without;
 #   2. the index kernels' C tests (tests/native/), under AddressSanitizer and UBSan;
 #   3. the helper built with AddressSanitizer and UndefinedBehaviorSanitizer into a copy of
