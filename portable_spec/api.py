@@ -37,7 +37,7 @@ __all__ = ["apply_vocab_mask", "build_grammar_vocab_mask"]
 
 
 def build_grammar_vocab_mask(
-    grammars: Sequence[Any],
+    matchers: Sequence[Any],
     tree: GrammarTree,
     vocab_size: int,
     *,
@@ -52,7 +52,7 @@ def build_grammar_vocab_mask(
     """Build the batch's grammar bitmask on the host and start its upload to ``device``.
 
     Args:
-        grammars: one entry per request of this process's tree, as for
+        matchers: one entry per request of this process's tree, as for
             :func:`build_host_bitmask`.
         tree: the batch's verify trees; its backend (the framework of the arrays it was
             staged from) receives the mask unless ``device`` names another framework.
@@ -90,7 +90,7 @@ def build_grammar_vocab_mask(
             thread is the one made to wait for it; JAX: the caller's default device).
         reasoning: a :class:`portable_spec.Reasoning` for reasoning models, as for
             :func:`build_host_bitmask` (dense layout only).
-        return_valid: also return which nodes the grammars accept: a host (numpy) bool
+        return_valid: also return which nodes the matchers accept: a host (numpy) bool
             ``[batch, nodes]`` array, as for :func:`build_host_bitmask`.
 
     Returns:
@@ -107,7 +107,7 @@ def build_grammar_vocab_mask(
         ``return_valid=True``: ``(mask, valid)``.
 
     Raises:
-        TypeError, ValueError: bad grammars, tree, vocabulary size, ``row_capacity``, layout or
+        TypeError, ValueError: bad matchers, tree, vocabulary size, ``row_capacity``, layout or
             placement (for example a capacity the placement's row shards cannot divide);
             raised before any matcher moves. With ``wait=False`` only the checks that need no
             matcher and no tree data run in the call (argument types, placement, matchers held
@@ -147,7 +147,7 @@ def build_grammar_vocab_mask(
         if reasoning is not None:
             raise ValueError("reasoning= builds dense masks only; use layout='dense'")
     request = _MaskRequest(
-        grammars=grammars,
+        grammars=matchers,
         tree=tree,
         vocab_size=vocab_size,
         backend=backend,
@@ -163,9 +163,9 @@ def build_grammar_vocab_mask(
         mask, upload_seconds = _build_and_upload(request)
         record_upload(upload_seconds, perf_counter() - started)
         return mask
-    if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
+    if isinstance(matchers, (str, bytes)) or not isinstance(matchers, Sequence):
         raise TypeError(
-            f"grammars must be a sequence with one entry per request, got {type(grammars).__name__}"
+            f"matchers must be a sequence with one entry per request, got {type(matchers).__name__}"
         )
 
     def build() -> Any:
@@ -174,7 +174,7 @@ def build_grammar_vocab_mask(
         return mask
 
     context = backend.capture_context(mask_layout.placement)
-    handle = start_pending(list(grammars), build, context, submit)
+    handle = start_pending(list(matchers), build, context, submit)
     record_upload(0.0, perf_counter() - started)
     return handle
 

@@ -24,7 +24,7 @@ __all__ = ["build_chain_bitmask", "chain_tree"]
 
 
 def build_chain_bitmask(
-    grammars: Sequence[Any],
+    matchers: Sequence[Any],
     drafts: Sequence[Sequence[int]],
     vocab_size: int,
     *,
@@ -41,7 +41,7 @@ def build_chain_bitmask(
     (same row contract, same ``reasoning`` rule, same valid flags, same errors).
 
     Args:
-        grammars: one entry per request, as for :func:`portable_spec.build_host_bitmask`
+        matchers: one entry per request, as for :func:`portable_spec.build_host_bitmask`
             (``None``, an ``xgrammar.GrammarMatcher`` or a
             :class:`portable_spec.GrammarMatcherLike`), each in the state after the request's
             committed tokens.
@@ -66,7 +66,7 @@ def build_chain_bitmask(
         ``[rows]`` (packed). ``None`` (or ``(None, valid)``) when no request has a grammar.
 
     Raises:
-        TypeError, ValueError: malformed drafts (naming the request), grammars,
+        TypeError, ValueError: malformed drafts (naming the request), matchers,
             ``vocab_size``, ``out`` or ``reasoning``; raised before any matcher moves.
         MatcherError: a matcher failed during its walk (``request_index`` names it); every
             matcher is back in its state.
@@ -75,7 +75,7 @@ def build_chain_bitmask(
     """
     return routes.build(
         routes.Call(
-            grammars, None, vocab_size, out, "dense", None, reasoning, return_valid, drafts,
+            matchers, None, vocab_size, out, "dense", None, reasoning, return_valid, drafts,
             rows_per_request,
         )
     )  # fmt: skip

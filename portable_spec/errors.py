@@ -9,7 +9,7 @@ class MatcherError(RuntimeError):
     """A request's grammar matcher raised while its rows were being built.
 
     Attributes:
-        request_index: the index into ``grammars`` of the matcher that raised.
+        request_index: the index into ``matchers`` of the matcher that raised.
         error: the original exception (also chained as ``__cause__``).
 
     When this is raised every matcher, the failing one included, has been rolled back to the
@@ -19,7 +19,7 @@ class MatcherError(RuntimeError):
 
     def __init__(self, request_index: int, error: BaseException) -> None:
         super().__init__(
-            f"grammars[{request_index}] raised {type(error).__name__}: {error} "
+            f"matchers[{request_index}] raised {type(error).__name__}: {error} "
             "(every matcher was restored to its starting state)"
         )
         self.request_index = request_index

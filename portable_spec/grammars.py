@@ -137,10 +137,10 @@ def classify_grammars(
         isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence)
     ):
         raise TypeError(
-            f"grammars must be a sequence with one entry per request, got {type(grammars).__name__}"
+            f"matchers must be a sequence with one entry per request, got {type(grammars).__name__}"
         )
     if len(grammars) != batch:
-        raise ValueError(f"len(grammars) = {len(grammars)} but the tree has batch {batch}")
+        raise ValueError(f"len(matchers) = {len(grammars)} but the tree has batch {batch}")
     model_words = words_for(vocab_size)
     kinds: list[int] = []
     infos: list[MatcherInfo | None] = []
@@ -154,20 +154,20 @@ def classify_grammars(
         if kind < 0:
             missing = [m for m in PROTOCOL_METHODS if not callable(getattr(g, m, None))]
             raise TypeError(
-                f"grammars[{i}] is a {type(g).__module__}.{type(g).__qualname__}, which is "
+                f"matchers[{i}] is a {type(g).__module__}.{type(g).__qualname__}, which is "
                 "neither None, an xgrammar.GrammarMatcher, an llguidance.LLMatcher, an "
                 f"outlines_core.Guide, nor a matcher-like object (missing: {', '.join(missing)})"
             )
         first = seen.setdefault(id(g), i)
         if first != i:
             raise ValueError(
-                f"grammars[{i}] is the same matcher object as grammars[{first}]; each request "
+                f"matchers[{i}] is the same matcher object as matchers[{first}]; each request "
                 "needs its own matcher (they are walked concurrently)"
             )
         info = _probe(kind, g, i, vocab_size, model_words)
         if info.words > model_words:
             raise ValueError(
-                f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{i}] "
+                f"vocab_size = {vocab_size} is smaller than the vocabulary of matchers[{i}] "
                 f"(its bitmask rows have {info.words} words, up to {32 * info.words} tokens)"
             )
         kinds.append(kind)
@@ -176,7 +176,7 @@ def classify_grammars(
 
 
 def _probe(kind: int, g: Any, index: int, vocab_size: int, model_words: int) -> MatcherInfo:
-    """The engine's facts about matcher ``g`` (``grammars[index]``), moving nothing."""
+    """The engine's facts about matcher ``g`` (``matchers[index]``), moving nothing."""
     if kind == XGRAMMAR:
         return probe_xgrammar(g, model_words)
     if kind == LLGUIDANCE:
@@ -190,7 +190,7 @@ def _probe(kind: int, g: Any, index: int, vocab_size: int, model_words: int) -> 
             return probe_outlines(g, model_words)
         except ValueError as exc:  # the guide's vocabulary is wider than the model's
             raise ValueError(
-                f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{index}] "
+                f"vocab_size = {vocab_size} is smaller than the vocabulary of matchers[{index}] "
                 f"(outlines-core: {exc})"
             ) from exc
     return generic_info(g, index, vocab_size)

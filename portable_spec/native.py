@@ -116,7 +116,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 def _load() -> ModuleType | None:

@@ -51,7 +51,7 @@ def _conflict(grammars: Iterable[Any], exempt: frozenset[int] | set[int]) -> int
 
 def _refuse(index: int) -> ValueError:
     return ValueError(
-        f"grammars[{index}] is being walked by another build that has not finished (one "
+        f"matchers[{index}] is being walked by another build that has not finished (one "
         "started with wait=False whose result() was not called yet, or one running on another "
         "thread); wait for it before building over this matcher again (or touching it)"
     )

@@ -403,13 +403,18 @@ def byte_level_decoder() -> dict[str, int]:
     return table
 
 
-@lru_cache(maxsize=1)
-def llguidance_tokenizer() -> Any:
-    """An ``llguidance.LLTokenizer`` for SmolLM2 (end token: ``<|im_end|>``)."""
+@lru_cache(maxsize=4)
+def llguidance_tokenizer(vocab_size: int | None = None) -> Any:
+    """An ``llguidance.LLTokenizer`` for SmolLM2 (end token: ``<|im_end|>``). With
+    ``vocab_size`` (at least 49152), its vocabulary holds that many ids, the ones past
+    SmolLM2's tokens ids of no token (never allowed): a tokenizer whose vocabulary is not a
+    multiple of 32, as engines meet them."""
     import llguidance
 
     tokenizer = load_tokenizer()
-    return llguidance.LLTokenizer(tokenizer.backend_json(), eos_token=tokenizer.eos_id)
+    return llguidance.LLTokenizer(
+        tokenizer.backend_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_id
+    )
 
 
 def llguidance_grammar(kind: str) -> str:
@@ -428,11 +433,13 @@ def llguidance_grammar(kind: str) -> str:
     raise ValueError(f"unknown llguidance sample grammar {kind!r}")
 
 
-def llguidance_matcher(kind: str) -> Any:
-    """A fresh ``LLMatcher`` of a sample grammar on SmolLM2's vocabulary."""
+def llguidance_matcher(kind: str, vocab_size: int | None = None) -> Any:
+    """A fresh ``LLMatcher`` of a sample grammar on SmolLM2's vocabulary (of ``vocab_size``
+    ids: see :func:`llguidance_tokenizer`)."""
     import llguidance
 
-    matcher = llguidance.LLMatcher(llguidance_tokenizer(), llguidance_grammar(kind), log_level=0)
+    tokenizer = llguidance_tokenizer(vocab_size)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance_grammar(kind), log_level=0)
     if matcher.is_error():
         raise ValueError(f"llguidance refused the {kind} sample: {matcher.get_error()}")
     return matcher

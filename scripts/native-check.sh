@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The compiled helper's own checks (CI runs them; about 5 minutes on 2 cores):
+# The compiled helper's own checks (CI runs them; about 10 minutes on 2 busy cores):
 #   1. a strict build: -Wall -Wextra -Werror, with numpy's headers and without;
 #   2. the index kernels' C tests (tests/native/), under AddressSanitizer and UBSan;
 #   3. the helper built with AddressSanitizer and UndefinedBehaviorSanitizer into a copy of
 #      the package, and the tests of the compiled entries and of threads changing what a
-#      build reads run against it (any report fails the run).
+#      build reads run against it (any report fails the run); of the llguidance vocabulary
+#      tests, the randomized compiled-against-fallback one and the 130 padded chains (the
+#      route matrix runs in scripts/test.sh only: the C it reaches is the same).
 # Extra arguments go to pytest in step 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,4 +52,7 @@ cd "$tree"
 "$python" -m pytest -q -p no:cacheprovider \
   tests/test_native.py tests/test_threads.py tests/test_xgrammar_ffi.py tests/test_small_trees.py \
   tests/test_chain_lists.py tests/test_vllm_fast.py tests/test_vllm_guidance.py \
-  tests/test_llguidance_paths.py "$@"
+  tests/test_llguidance_paths.py tests/test_native_bounds.py \
+  tests/test_llguidance_vocabulary.py::test_compiled_equals_fallback_with_drafts_past_the_vocabulary \
+  tests/test_llguidance_vocabulary.py::test_many_chains_with_padding_drafts_leave_every_matcher_usable \
+  "$@"

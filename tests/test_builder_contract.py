@@ -222,7 +222,7 @@ def test_matcher_failure_mid_walk(smollm2, person_tokens, monkeypatch, fail_in, 
     with pytest.raises(ps.MatcherError) as info:
         ps.build_host_bitmask(matchers, tree, smollm2.size)
     assert info.value.request_index == 2
-    assert "grammars[2] raised RuntimeError: injected failure" in str(info.value)
+    assert "matchers[2] raised RuntimeError: injected failure" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert failing.depth == 0 and matchers[1].depth == 0
     assert [matcher_state(m, [0, 1], smollm2.words) for m in (*plain, failing.inner)] == before

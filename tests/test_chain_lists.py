@@ -210,6 +210,9 @@ def test_out_is_written_in_place(smollm2):
         ({"reasoning": ps.Reasoning([True], [10**9])}, ValueError, "end_token_ids"),
         ({"reasoning": ps.Reasoning([True, False], [END])}, ValueError, "batch"),
         ({"vocab_size": 0}, ValueError, "vocab_size"),
+        # no tree is passed: the count of chains is named by the argument that holds them
+        ({"drafts": [[107], [18]]}, ValueError, "len(matchers) = 1 but drafts holds 2"),
+        ({"drafts": [[107], [18]], "rows_per_request": 3}, ValueError, "drafts holds 2"),
     ],
 )
 def test_bad_input_is_refused_before_any_matcher_moves(smollm2, kwargs, error, words):

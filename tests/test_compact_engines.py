@@ -81,6 +81,6 @@ def test_broken_llguidance_chain_matcher_is_named(smollm2):
     broken = ge.llguidance_matcher("json_schema")
     assert not broken.consume_token(5)
     tree = ps.GrammarTree.from_linear_chain(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(ps.MatcherError, match=r"grammars\[1\]") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[1\]") as info:
         ps.build_host_bitmask([good, broken], tree, smollm2.size, layout="compact")
     assert info.value.request_index == 1

@@ -282,3 +282,41 @@ def test_benchmarks_count_their_sections():
     assert said, "benchmarks.md no longer says how many sections there are"
     listed = re.findall(r"^(\d+)\. \*\*", text[said.end() :].split("\n\n", 1)[0], re.MULTILINE)
     assert numbers.index(said.group(1)) + 1 == len(listed) == int(listed[-1])
+
+
+# -- the offline line: what a reader without a model hub runs instead of from_pretrained -------
+OFFLINE = "# no model hub here? "
+OFFLINE_CODE = "from portable_spec.testing import hf_tokenizer; tokenizer = hf_tokenizer()"
+FROM_PRETRAINED = re.compile(r"^tokenizer = AutoTokenizer\.from_pretrained\(.*$", re.MULTILINE)
+
+
+def test_every_offline_line_is_the_same_code():
+    """Every example's offline comment is the one line the README blocks run below."""
+    for doc in DOCS:
+        for number, text in enumerate((ROOT / doc).read_text().splitlines(), 1):
+            if OFFLINE in text:
+                assert text.strip() == OFFLINE + OFFLINE_CODE, f"{doc}:{number}: {text}"
+
+
+def test_readme_blocks_run_offline_as_written(tmp_path):
+    """Each README block with the offline comment runs with that comment's code in place of
+    its ``from_pretrained`` line, as a reader without a model hub runs it: an empty Hugging
+    Face cache, ``HF_HUB_OFFLINE=1`` (where ``from_pretrained`` itself would fail)."""
+    pytest.importorskip("transformers")
+    variants = []
+    for _, code in blocks((ROOT / "README.md").read_text()):
+        if OFFLINE in code:
+            assert len(FROM_PRETRAINED.findall(code)) == 1, code
+            variants.append(FROM_PRETRAINED.sub(OFFLINE_CODE, code))
+    assert len(variants) >= 3
+    page = tmp_path / "offline.md"
+    page.write_text("".join(f"```python\n{code}```\n\n" for code in variants))
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "empty-hf-home"))  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_doc_blocks.py"), str(page), str(out)],
+        cwd=ROOT, env=env, check=True, timeout=3600,
+    )  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["status"] for r in records] == ["passed"] * len(variants), records

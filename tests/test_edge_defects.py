@@ -180,16 +180,16 @@ def test_draft_sessions_refuse_matchers_of_a_pending_build(smollm2):
         before = matcher_state(plain, PROBE, smollm2.words)
         calls = list(replayed.calls)
         for grammars, index in (([plain], 0), ([None, replayed], 1), ([gated], 0)):
-            with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
+            with pytest.raises(ValueError, match=rf"matchers\[{index}\] is being walked"):
                 ps.DraftSession(grammars, smollm2.size)
-            with pytest.raises(ValueError, match=rf"grammars\[{index}\] is being walked"):
+            with pytest.raises(ValueError, match=rf"matchers\[{index}\] is being walked"):
                 forced_tokens(grammars, smollm2.size)
         for call in (
             lambda: early.extend([[0], [0]], [[QUOTE], [QUOTE]]),
             lambda: early.forced(),
             lambda: early.verify_mask(),  # computes the masks=False level
         ):
-            with pytest.raises(ValueError, match=r"grammars\[0\] is being walked"):
+            with pytest.raises(ValueError, match=r"matchers\[0\] is being walked"):
                 call()
         assert replayed.calls == calls  # nothing moved, nothing filled
         assert matcher_state(plain, PROBE, smollm2.words) == before
@@ -272,7 +272,7 @@ def test_reasoning_names_the_batch_index_of_a_failing_free_row(smollm2):
     grammars = [request.fresh(), request.fresh(), None, failing]
     rule = ps.Reasoning([False, True, False, True], [1007], [OPEN])
     tree = ps.GrammarTree.from_linear_chain(np.tile([0, 5, 6], (4, 1)))
-    with pytest.raises(ps.MatcherError, match=r"grammars\[3\]") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[3\]") as info:
         ps.build_host_bitmask(grammars, tree, smollm2.size, reasoning=rule)
     assert info.value.request_index == 3
     assert failing.depth == 0
@@ -418,7 +418,7 @@ def test_outlines_guide_first_used_padded_serves_the_real_vocabulary(smollm2):
         np.testing.assert_array_equal(ps.build_host_bitmask([guide], tree, vocab), want)
         with ps.DraftSession([guide], vocab) as session:
             np.testing.assert_array_equal(session.extend([0, 0], [OPEN, LETTER_A]), want[[1, 3]])
-    with pytest.raises(ValueError, match=r"smaller than the vocabulary of grammars\[0\]"):
+    with pytest.raises(ValueError, match=r"smaller than the vocabulary of matchers\[0\]"):
         ps.build_host_bitmask([guide], tree, smollm2.size - 32)
 
 

@@ -190,7 +190,7 @@ def test_llguidance_matcher_in_error_state_is_named(smollm2):
     assert broken.is_error()
     before = fingerprint(good, smollm2.words, PROBE)
     tree = ps.GrammarTree.from_linear_chain(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(ps.MatcherError, match=r"grammars\[1\].*error state") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[1\].*error state") as info:
         ps.build_host_bitmask([good, broken], tree, smollm2.size)
     assert info.value.request_index == 1
     assert fingerprint(good, smollm2.words, PROBE) == before
@@ -232,7 +232,7 @@ def test_failure_mid_walk_restores_every_engine(smollm2):
         fingerprint(guide, smollm2.words, PROBE),
         matcher_state(xm, PROBE, smollm2.words),
     )
-    with pytest.raises(ps.MatcherError, match=r"grammars\[3\]") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[3\]") as info:
         ps.build_host_bitmask(
             [llm, guide, xm, failing], ps.GrammarTree.from_linear_chain(dt), smollm2.size
         )

@@ -313,7 +313,7 @@ def test_malformed_tokens_and_arguments_are_refused(smollm2):
     with pytest.raises(ValueError, match="tokens must be 1-D"):
         ps.GrammarTree.from_packed_chains(tokens.reshape(1, -1), offsets)
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
-    with pytest.raises(ValueError, match="grammars"):
+    with pytest.raises(ValueError, match="matchers"):
         ps.build_host_bitmask(matchers[:2], tree, smollm2.size)
     with pytest.raises(ValueError, match="dense masks only"):
         ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact")

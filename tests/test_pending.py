@@ -99,7 +99,7 @@ def test_errors_surface_from_result_with_matchers_restored(smollm2):
     handle = ps.build_grammar_vocab_mask(
         [good, None, failing], tree, smollm2.size, layout="compact", wait=False
     )
-    with pytest.raises(ps.MatcherError, match=r"grammars\[2\]") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[2\]") as info:
         handle.result(timeout=600)
     assert info.value.request_index == 2
     with pytest.raises(ps.MatcherError):  # the same error again
@@ -118,7 +118,7 @@ def test_argument_errors_are_raised_by_the_call(smollm2):
         ps.build_grammar_vocab_mask([matcher], tree, smollm2.size, layout="x", wait=False)
     with pytest.raises(ValueError, match="row_capacity"):
         ps.build_grammar_vocab_mask([matcher], tree, smollm2.size, row_capacity=1, wait=False)
-    with pytest.raises(TypeError, match="grammars must be a sequence"):
+    with pytest.raises(TypeError, match="matchers must be a sequence"):
         ps.build_grammar_vocab_mask(iter([matcher]), tree, smollm2.size, wait=False)
     assert matcher.calls == []
     # nothing was held: a blocking build over the matcher works

@@ -211,7 +211,7 @@ def test_failing_matcher_below_the_end_is_named(smollm2):
     brace = smollm2.tokens.index("{")
     failing = FailingMatcher(xgr.GrammarMatcher(compiled), fail_in="fill", at_call=2)
     dt = np.array([[0, 5, 7], [0, end, brace]])
-    with pytest.raises(ps.MatcherError, match=r"grammars\[1\]") as info:
+    with pytest.raises(ps.MatcherError, match=r"matchers\[1\]") as info:
         ps.build_host_bitmask(
             [xgr.GrammarMatcher(compiled), failing], ps.GrammarTree.from_linear_chain(dt),
             smollm2.size, reasoning=ps.Reasoning([False, True], [end]),

@@ -91,7 +91,7 @@ def test_split_failure_restores_everything(smollm2, many_threads, monkeypatch):
 
     monkeypatch.setattr(jobs_module, "walk_subtree", broken)
     with pytest.raises(
-        ps.MatcherError, match="grammars\\[0\\] raised RuntimeError: fork walk failed"
+        ps.MatcherError, match="matchers\\[0\\] raised RuntimeError: fork walk failed"
     ):
         ps.build_host_bitmask([m], tree, smollm2.size)
     assert matcher_state(m, [0, 1], smollm2.words) == before

@@ -525,7 +525,7 @@ class GuidanceGrammar:  # its attribute reads empty the step's containers and dr
         ids.clear()
         requests.clear()
         return False
-_vllm_guidance._eos[id(tokenizer)] = (tokenizer, tokenizer.eos_token)
+_vllm_guidance._tokenizer_facts(tokenizer)
 buffer = np.zeros((64, words), np.int32)
 def step():
     global spec, ids, requests

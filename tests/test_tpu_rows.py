@@ -91,3 +91,18 @@ def test_refusals():
         map_rows(["b", "a"], spec, 5, ranks, [[2, 1]], 4)
     with pytest.raises(ValueError, match="do not split"):
         map_rows(["b", "a"], spec, 5, [["a"], ["b"]], [[2], [1]], 7)
+
+
+def test_install_without_tpu_inference_returns_false():
+    """Where tpu-inference is not installed, ``install()`` says so by returning False (as
+    sglang_jax.install() does), imports nothing of it and patches nothing."""
+    import importlib.util
+    import sys
+
+    from portable_spec.integrations import tpu_inference
+
+    if importlib.util.find_spec("tpu_inference") is not None:
+        pytest.skip("tpu-inference is installed here (tests/real_tpu_inference covers it)")
+    assert tpu_inference.install() is False
+    assert "tpu_inference" not in sys.modules
+    assert tpu_inference.uninstall() is False

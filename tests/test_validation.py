@@ -215,16 +215,16 @@ def test_bad_arrays(args, error, pattern):
 def test_bad_grammars(smollm2, recording):
     xm, pm = recording
     tree = _tree()
-    with pytest.raises(ValueError, match=r"len\(grammars\) = 1 but the tree has batch 2"):
+    with pytest.raises(ValueError, match=r"len\(matchers\) = 1 but the tree has batch 2"):
         ps.build_host_bitmask([xm], tree, smollm2.size)
-    with pytest.raises(TypeError, match=r"grammars\[1\] is a builtins.str"):
+    with pytest.raises(TypeError, match=r"matchers\[1\] is a builtins.str"):
         ps.build_host_bitmask([pm, "json"], tree, smollm2.size)
     with pytest.raises(TypeError, match=r"missing: accept_token, rollback"):
         ps.build_host_bitmask([pm, object()], tree, smollm2.size)
-    with pytest.raises(TypeError, match=r"grammars must be a sequence"):
+    with pytest.raises(TypeError, match=r"matchers must be a sequence"):
         ps.build_host_bitmask(xm, tree, smollm2.size)
     with pytest.raises(
-        ValueError, match=r"grammars\[1\] is the same matcher object as grammars\[0\]"
+        ValueError, match=r"matchers\[1\] is the same matcher object as matchers\[0\]"
     ):
         ps.build_host_bitmask([pm, pm], tree, smollm2.size)
     assert pm.calls == []
@@ -238,8 +238,8 @@ def test_bad_grammars(smollm2, recording):
         (1.5, TypeError, "vocab_size must be an int, got float"),
         (True, TypeError, "vocab_size must be an int, got bool"),
         ("49152", TypeError, "vocab_size must be an int, got str"),
-        (1000, ValueError, r"vocab_size = 1000 is smaller than the vocabulary of grammars\[0\]"),
-        (49120, ValueError, r"vocab_size = 49120 is smaller than the vocabulary of grammars\[0\]"),
+        (1000, ValueError, r"vocab_size = 1000 is smaller than the vocabulary of matchers\[0\]"),
+        (49120, ValueError, r"vocab_size = 49120 is smaller than the vocabulary of matchers\[0\]"),
     ],
 )
 def test_bad_vocab_size(smollm2, recording, vocab_size, error, pattern):
@@ -256,11 +256,11 @@ def test_protocol_matcher_vocab_larger_than_model(smollm2, recording):
     _, pm = recording
     with pytest.raises(
         ValueError,
-        match=r"vocab_size = 49151 is smaller than the vocabulary of grammars\[1\] \(49152 tokens\)",
+        match=r"vocab_size = 49151 is smaller than the vocabulary of matchers\[1\] \(49152 tokens\)",
     ):
         ps.build_host_bitmask([None, pm], _tree(), 49151)
     pm.vocab_size = "big"
-    with pytest.raises(TypeError, match=r"grammars\[1\].vocab_size must be a positive int"):
+    with pytest.raises(TypeError, match=r"matchers\[1\].vocab_size must be a positive int"):
         ps.build_host_bitmask([None, pm], _tree(), 49152)
     assert pm.calls == []
 

@@ -61,7 +61,7 @@ class _Tensor:
         return self.array
 
 
-def _manager(reasoner=None):
+def _manager(reasoner=None, words=WORDS):
     return SimpleNamespace(
         vllm_config=SimpleNamespace(
             num_speculative_tokens=K,
@@ -70,7 +70,7 @@ def _manager(reasoner=None):
         ),
         backend=SimpleNamespace(
             # 7 is no row the build writes: every row a call returns must be written by it
-            allocate_token_bitmask=lambda n: _Tensor(np.full((n, WORDS), 7, dtype=np.int32))
+            allocate_token_bitmask=lambda n: _Tensor(np.full((n, words), 7, dtype=np.int32))
         ),
         _grammar_bitmask=None,
         enable_in_reasoning=False,
@@ -89,14 +89,15 @@ def grammars():
     return [samples.llguidance_grammar("json_schema"), tight]
 
 
-def _fresh(grammar, prefix):
-    matcher = llguidance.LLMatcher(samples.llguidance_tokenizer(), grammar, log_level=0)
+def _fresh(grammar, prefix, tokenizer=None):
+    tokenizer = tokenizer or samples.llguidance_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     assert matcher.try_consume_tokens(prefix) == len(prefix)
     return matcher
 
 
-def _mask(matcher):
-    row = np.zeros(WORDS, dtype=np.int32)
+def _mask(matcher, words=WORDS):
+    row = np.zeros(words, dtype=np.int32)
     matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
     return row
 
@@ -106,19 +107,20 @@ def _allowed(row):
     return np.flatnonzero(bits.reshape(-1)).tolist()
 
 
-def _expected(grammar, prefix, drafts, eos, terminated):
-    """vLLM's rows for one guidance request, token by token on a fresh matcher."""
+def _expected(grammar, prefix, drafts, eos, terminated, tokenizer=None, words=WORDS):
+    """vLLM's rows for one guidance request, token by token on a fresh matcher (a draft past
+    the tokenizer's vocabulary is one the matcher does not take)."""
     rows = []
+    matcher = _fresh(grammar, prefix, tokenizer)
     if terminated:
-        return np.full((len(drafts) + 1, WORDS), -1, dtype=np.int32)
-    matcher = _fresh(grammar, prefix)
+        return np.full((len(drafts) + 1, words), -1, dtype=np.int32)
     ended = padded = False
     failed = None
     for i, token in enumerate([*drafts, None]):
         if failed is not None:
             rows.append(rows[failed])
             continue
-        rows.append(np.full(WORDS, -1, np.int32) if ended or padded else _mask(matcher))
+        rows.append(np.full(words, -1, np.int32) if ended or padded else _mask(matcher, words))
         if token is None or padded:
             continue
         if token == -1:
@@ -291,6 +293,24 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     for owner, reqs, drafts, stride_k in cases:
         assert _vllm_guidance.guidance_rows(owner, reqs, ids, drafts, stride_k, buffer) is None
         assert _states(requests) == before
+    # objects not shaped as vLLM's: declined, not raised (drafts that are not ints, an id
+    # with no request, a wrapper without a tokenizer, a mask wider than the tokenizer's)
+    bare = SimpleNamespace(ll_matcher=requests["r1"].structured_output_request.grammar.ll_matcher)
+    odd = dict(requests, r1=SimpleNamespace(structured_output_request=StructuredOutputRequest(
+        GuidanceGrammar(bare.ll_matcher, None))))  # fmt: skip
+    wide = np.zeros((buffer.shape[0], WORDS + 1), dtype=np.int32)
+    shapes = [
+        (requests, ids, dict(spec, r1=[5.0]), buffer),
+        (requests, ids, dict(spec, r1=["5"]), buffer),
+        (requests, ids, dict(spec, r1=[True]), buffer),
+        (requests, ids, dict(spec, r1=5), buffer),
+        (requests, [*ids, "gone"], spec, buffer),
+        (odd, ids, spec, buffer),
+        (requests, ids, spec, wide),
+    ]
+    for reqs, which, drafts, rows in shapes:
+        assert _vllm_guidance.guidance_rows(manager, reqs, which, drafts, None, rows) is None
+        assert _states(requests) == before
     matcher = requests["r0"].structured_output_request.grammar.ll_matcher
     token, held = hold_matchers([matcher])
     try:
@@ -305,3 +325,65 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     # its chain is cut short (it takes nothing), then the matcher is asked: declined
     assert _vllm_guidance.guidance_rows(manager, requests, ids, spec, None, buffer) is None
     assert _states({k: v for k, v in requests.items() if k != "r1"}) == [before[0], before[2]]
+    # a matcher in its error state with no drafts to walk is asked too
+    assert _vllm_guidance.guidance_rows(manager, requests, ids, {}, None, buffer) is None
+
+
+# -- drafts past the tokenizer's vocabulary ---------------------------------------------------
+PAST_VOCAB = 49157  # SmolLM2's 49152 tokens and five ids of no token
+PAST_WORDS = 1537  # its mask: ids 49157..49183 lie inside it, past the vocabulary
+
+
+@pytest.mark.parametrize("way", ["compiled", "python"])
+@pytest.mark.parametrize("layout", ["packed", "strided"])
+def test_drafts_past_the_tokenizer_vocabulary_are_refused(grammars, layout, way, monkeypatch):
+    """A draft at or past the tokenizer's vocabulary but inside the mask (a padding id of
+    logits wider than the tokenizer) is never handed to llguidance, which would take it for an
+    error it never leaves: it is a draft the matcher does not take (vLLM's rule repeats the
+    row before it; a complete grammar takes it without consuming it), on random steps of
+    both layouts, row for row as the replay says, no matcher moved or in its error state."""
+    if way == "compiled" and compiled.native is None:
+        pytest.skip("the compiled helper is not built")
+    if way == "python":
+        monkeypatch.setattr(compiled, "vllm_guidance", lambda *args: None)
+    taken = _spy(monkeypatch, plugin, "guidance_rows")
+    tokenizer = samples.llguidance_tokenizer(PAST_VOCAB)
+    eos = tokenizer.eos_token
+    rng = random.Random(f"guidance/past/{layout}")
+    past_seen = 0
+    for step in range(12):
+        requests, spec, expected = {}, {}, []
+        for i in range(rng.randrange(1, 9)):
+            kind = rng.choice(KINDS)
+            grammar, prefix, drafts = _random_request(rng, grammars, eos, kind)
+            padded = drafts.index(-1) if -1 in drafts else len(drafts)
+            if padded and rng.random() < 0.7:  # one draft (or more) past the vocabulary
+                for _ in range(rng.choice([1, 1, 2])):
+                    drafts[rng.randrange(padded)] = rng.randrange(PAST_VOCAB, 32 * PAST_WORDS)
+                past_seen += 1
+            elif rng.random() < 0.3:  # one past it before any other
+                drafts = [rng.randrange(PAST_VOCAB, 32 * PAST_WORDS), *drafts][:K]
+                past_seen += 1
+            matcher = _fresh(grammar, prefix, tokenizer)
+            wrapper = GuidanceGrammar(matcher, tokenizer, kind == "terminated")
+            rid = f"r{i}"
+            requests[rid] = SimpleNamespace(
+                structured_output_request=StructuredOutputRequest(wrapper)
+            )
+            spec[rid] = drafts
+            expected.append(
+                _expected(grammar, prefix, drafts, eos, kind == "terminated", tokenizer, PAST_WORDS)
+            )
+        matchers = [r.structured_output_request.grammar.ll_matcher for r in requests.values()]
+        before = [(m.is_stopped(), _mask(m, PAST_WORDS).tobytes()) for m in matchers]
+        manager = _manager(words=PAST_WORDS)
+        for _ in ("first", "again"):
+            out = plugin._build_or_none(manager, requests, list(requests), spec, layout=layout)
+            assert taken[-1], f"step {step} left the guidance path"
+            assert not any(m.is_error() for m in matchers)
+            assert [(m.is_stopped(), _mask(m, PAST_WORDS).tobytes()) for m in matchers] == before
+            row = 0
+            for rows in expected:
+                np.testing.assert_array_equal(out[row : row + len(rows)], rows)
+                row += K + 1 if layout == "strided" else len(rows)
+    assert past_seen > 10

@@ -27,7 +27,7 @@ __all__ = ["build_host_bitmask"]
 
 
 def build_host_bitmask(
-    grammars: Sequence[Any],
+    matchers: Sequence[Any],
     tree: GrammarTree,
     vocab_size: int,
     *,
@@ -40,7 +40,7 @@ def build_host_bitmask(
     """Build the grammar bitmask of every node of every request's verify tree, on the host.
 
     Args:
-        grammars: one entry per request: ``None`` (unconstrained), an
+        matchers: one entry per request: ``None`` (unconstrained), an
             ``xgrammar.GrammarMatcher``, or an object following
             :class:`portable_spec.GrammarMatcherLike`. Each matcher must be in the state after
             the request's committed tokens (node 0's token included).
@@ -63,7 +63,7 @@ def build_host_bitmask(
             get their grammar only below the node that ends the reasoning, per path (rows
             before it allow everything but the content end tokens the grammar refuses first).
             Dense layout only (``ValueError`` with ``layout="compact"``).
-        return_valid: also return which nodes the grammars (and the reasoning rule) accept.
+        return_valid: also return which nodes the matchers (and the reasoning rule) accept.
 
     Returns:
         ``None`` when the batch is empty or no request has a grammar (``out`` untouched).
@@ -85,7 +85,7 @@ def build_host_bitmask(
         ``(None, valid)`` when no request has a grammar.
 
     Raises:
-        TypeError, ValueError: malformed tree, grammars, ``vocab_size`` or ``out``; raised
+        TypeError, ValueError: malformed tree, matchers, ``vocab_size`` or ``out``; raised
             before any matcher moves.
         MatcherError: a matcher raised during its walk (``request_index`` names it; the
             original exception is chained). Every matcher is back in its starting state.
@@ -96,5 +96,5 @@ def build_host_bitmask(
     """
     if type(tree) is not GrammarTree and not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
-    call = routes.Call(grammars, tree, vocab_size, out, layout, max_rows, reasoning, return_valid)
+    call = routes.Call(matchers, tree, vocab_size, out, layout, max_rows, reasoning, return_valid)
     return routes.build(call)

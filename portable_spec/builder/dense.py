@@ -137,9 +137,14 @@ class _DenseRows:
         chain = build.tree.is_chain or build.tree.is_packed
         links = (None, None) if chain else (next_token.reshape(-1), next_sibling.reshape(-1))
         matchers = [build.grammars[b] for b in requests]
-        limit = min(self.vocab_size, 32 * words)
+        # each request's tokens bounded by its tokenizer's vocabulary (llguidance takes an id
+        # past it for an error it never leaves)
+        limits = np.array(
+            [min(self.vocab_size, build.infos[b].vocab_size) for b in requests],  # type: ignore[union-attr]
+            dtype=np.int64,
+        )
         return partial(
-            _llguidance_walks_job, self.mask, links, draft.reshape(-1), spans, matchers, limit,
+            _llguidance_walks_job, self.mask, links, draft.reshape(-1), spans, matchers, limits,
             chain, counts, requests, self.live,
         )  # fmt: skip
 
@@ -159,7 +164,7 @@ def _llguidance_walks_job(
     draft: np.ndarray,
     spans: np.ndarray,
     matchers: list[Any],
-    limit: int,
+    limits: np.ndarray,
     chain: bool,
     counts: np.ndarray,
     requests: list[int],
@@ -171,7 +176,7 @@ def _llguidance_walks_job(
     that raises is named by its request (every matcher back in its state)."""
     walked = np.zeros((len(requests), 2), dtype=np.int64)
     failed, error = native.llguidance_walks(
-        mask, links[0], links[1], draft, spans, matchers, limit, chain, walked, live, None
+        mask, links[0], links[1], draft, spans, matchers, limits, chain, walked, live, None
     )
     if failed >= 0:
         raise MatcherError(requests[failed], error) from error

@@ -489,7 +489,7 @@ def _check_depth(b: int, next_token: list[int], next_sibling: list[int], info: M
         level = nxt
     if depth > limit:
         raise ValueError(
-            f"the tree of request {b} is {depth} draft tokens deep but grammars[{b}] can roll "
+            f"the tree of request {b} is {depth} draft tokens deep but matchers[{b}] can roll "
             f"back only {limit} (an outlines_core.Guide built with max_rollback={limit}); "
             f"build its Guide with max_rollback >= {depth}"
         )

@@ -222,10 +222,20 @@ def _lists_build(call: Call) -> Any:
         call.reasoning, call.return_valid, parts_from, get_num_threads(),
     )  # fmt: skip
     if done is None:  # on down the table over the equivalent tree
-        call.tree = chain_tree(call.drafts, call.rows_per_request)
-        call.shape = call.tree.shape
-        call.drafts = None
+        _lists_to_tree(call)
     return done
+
+
+def _lists_to_tree(call: Call) -> None:
+    """Replace ``call``'s draft lists by their :func:`chain_tree` (``TypeError``/``ValueError``
+    naming the request at fault, or the number of matchers that does not match the drafts')."""
+    tree = chain_tree(call.drafts, call.rows_per_request)
+    grammars = call.grammars
+    if type(grammars) in (list, tuple) and len(grammars) != tree.batch:
+        raise ValueError(
+            f"len(matchers) = {len(grammars)} but drafts holds {tree.batch} requests' chains"
+        )
+    call.tree, call.shape, call.drafts = tree, tree.shape, None
 
 
 def _plain_dense(call: Call) -> bool:
@@ -517,9 +527,7 @@ def build(call: Call) -> Any:
             if done is not None:
                 return done
     if call.tree is None:  # draft lists no compiled row took
-        call.tree = chain_tree(call.drafts, call.rows_per_request)
-        call.shape = call.tree.shape
-        call.drafts = None
+        _lists_to_tree(call)
     return _checked_build(call, routes[index:], hold=True)
 
 

@@ -12,22 +12,30 @@
    draft, a complete grammar, an end token, or a written row that is all-zero) makes the
    matcher say how far it goes: try_consume_tokens, then is_stopped, then rollback.
 
+   llguidance takes a draft at or past its tokenizer's vocabulary (a padding id of the
+   model's wider logits) for an error it never leaves: the chain handed to it stops before
+   the first such draft, which is refused as any draft the matcher does not take.
+
    The matchers are llguidance's Python objects: every call into them runs with the GIL held
    (their methods release it themselves while they compute a mask), through the method
    protocol. Reading vLLM's objects runs Python code too: each object is held by a reference
    from the moment it is read, the drafts are copied before the first call, and the matchers
-   are held in the held table for the whole step. */
+   are held in the held table for the whole step.
+
+   A part of module.c (one translation unit): it uses arrays.c, walk.c (the Walk and its held
+   table), vllm.c (the names of vLLM's request fields) and llguidance.c (its method calls). */
 
 static PyObject *s_ll_matcher, *s_ll_tokenizer, *s_terminated, *s_fill_chain;
 
 /* What vllm_guidance read of the step: per request its matcher (a reference in the walk;
-   none for a terminated wrapper), end token and drafts (copied back to back). */
+   none for a terminated wrapper), end token, vocabulary and drafts (copied back to back). */
 typedef struct {
     Walk w;          /* the matchers, held as the compiled walks hold theirs */
     int64_t *tokens; /* every request's drafts back to back (owned) */
     int64_t *first;  /* [n + 1]: each request's first draft in `tokens` (owned) */
     int64_t *eos;    /* [n]: each request's end token (owned) */
-    Py_ssize_t n, rows, ntokens, words;
+    int64_t *vocab;  /* [n]: each request's tokenizer's vocabulary size (owned) */
+    Py_ssize_t n, rows, capacity, ntokens, words;
 } GStep;
 
 static void gstep_clear(GStep *s) {
@@ -35,6 +43,7 @@ static void gstep_clear(GStep *s) {
     PyMem_Free(s->tokens);
     PyMem_Free(s->first);
     PyMem_Free(s->eos);
+    PyMem_Free(s->vocab);
     memset(s, 0, sizeof(*s));
 }
 
@@ -51,26 +60,32 @@ static int intern_guidance_names(void) {
     return intern_llguidance_names();
 }
 
-/* The end token of `tokenizer` from `ends` (id(tokenizer) -> (tokenizer, end token), made by
-   the Python side): 0 with *eos set, or -1 (unknown: decline; no error left set). */
-static int gstep_end_token(PyObject *ends, PyObject *tokenizer, int64_t *eos) {
+/* The end token and vocabulary size of `tokenizer` from `ends` (id(tokenizer) ->
+   (tokenizer, end token, vocabulary size), made by the Python side): 0 with *eos and *vocab
+   set, or -1 (unknown: decline; no error left set). */
+static int gstep_end_token(PyObject *ends, PyObject *tokenizer, int64_t *eos, int64_t *vocab) {
     PyObject *key = PyLong_FromVoidPtr(tokenizer);
     if (key == NULL) return -1;
     PyObject *entry = PyDict_GetItemWithError(ends, key); /* an exact int key: no Python */
     Py_DECREF(key);
-    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
-        PyTuple_GET_ITEM(entry, 0) != tokenizer || exact_int(PyTuple_GET_ITEM(entry, 1), eos))
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        PyTuple_GET_ITEM(entry, 0) != tokenizer || exact_int(PyTuple_GET_ITEM(entry, 1), eos) ||
+        exact_int(PyTuple_GET_ITEM(entry, 2), vocab) || *vocab < 1) {
+        PyErr_Clear();
         return -1;
+    }
     return 0;
 }
 
 /* Request b's drafts copied into the step: exact ints, each a token below `limit` or -1
-   (padding). 1, or 0 to decline (an error may be set). */
+   (padding), its rows inside the buffer's. 1, or 0 to decline (an error may be set). */
 static int gstep_drafts(GStep *s, Py_ssize_t b, PyObject *tokens, Py_ssize_t stride,
                         int64_t limit) {
     Py_ssize_t m;
     PyObject *const *items = sequence_items(tokens, &m);
     if (m < 0 || (stride && m >= stride)) return 0; /* (an empty list has no items) */
+    Py_ssize_t need = stride ? stride : m + 1;
+    if (need > s->capacity - s->rows) return 0; /* (s->rows <= s->capacity: no overflow) */
     int64_t *grown = PyMem_Realloc(s->tokens, sizeof(int64_t) * (size_t)(s->ntokens + m + 1));
     if (grown == NULL) return 0;
     s->tokens = grown;
@@ -81,12 +96,13 @@ static int gstep_drafts(GStep *s, Py_ssize_t b, PyObject *tokens, Py_ssize_t str
     }
     s->ntokens += m;
     s->first[b + 1] = s->ntokens;
-    s->rows += stride ? stride : m + 1;
+    s->rows += need;
     return 1;
 }
 
-/* Request b's wrapper read: its matcher entered in the walk (unless `terminated`) and its end
-   token. 1, or 0 to decline (an error may be set). */
+/* Request b's wrapper read: its matcher entered in the walk (unless `terminated`), its end
+   token and vocabulary size (the mask as wide as that vocabulary's). 1, or 0 to decline (an
+   error may be set). */
 static int gstep_wrapper(GStep *s, Py_ssize_t b, PyObject *grammar, PyObject *ends) {
     PyObject *flag = PyObject_GetAttr(grammar, s_terminated);
     if (flag == NULL) return 0;
@@ -95,7 +111,8 @@ static int gstep_wrapper(GStep *s, Py_ssize_t b, PyObject *grammar, PyObject *en
     if (terminated < 0) return 0;
     PyObject *tokenizer = PyObject_GetAttr(grammar, s_ll_tokenizer);
     if (tokenizer == NULL) return 0;
-    int known = gstep_end_token(ends, tokenizer, &s->eos[b]) == 0;
+    int known = gstep_end_token(ends, tokenizer, &s->eos[b], &s->vocab[b]) == 0 &&
+                (s->vocab[b] + 31) / 32 == (int64_t)s->words; /* the mask is the tokenizer's */
     Py_DECREF(tokenizer);
     if (!known || terminated) return known;
     PyObject *matcher = PyObject_GetAttr(grammar, s_ll_matcher);
@@ -136,7 +153,8 @@ static int gstep_read_all(GStep *s, PyObject *ids, PyObject *requests, PyObject 
     if (walk_reserve(&s->w, s->n) != 0) return 0;
     s->first = PyMem_Calloc((size_t)s->n + 1, sizeof(int64_t));
     s->eos = PyMem_Calloc((size_t)s->n + 1, sizeof(int64_t));
-    if (s->first == NULL || s->eos == NULL) return 0;
+    s->vocab = PyMem_Calloc((size_t)s->n + 1, sizeof(int64_t));
+    if (s->first == NULL || s->eos == NULL || s->vocab == NULL) return 0;
     for (Py_ssize_t b = 0; b < s->n; b++) {
         if (b >= PyList_GET_SIZE(ids)) return 0; /* changed by an attribute read */
         PyObject *id = Py_NewRef(PyList_GET_ITEM(ids, b));
@@ -148,15 +166,16 @@ static int gstep_read_all(GStep *s, PyObject *ids, PyObject *requests, PyObject 
     return s->n > 0;
 }
 
-/* How many of chain[0..p) the matcher consumes, and whether it is then stopped; it ends where
-   it started. 0, 1 (a matcher in its error state: decline), or -1 with an error set. */
-static int chain_reach(PyObject *matcher, PyObject *chain, Py_ssize_t p, Py_ssize_t *c,
-                       int *stopped) {
+/* How many of chain[0..q) the matcher consumes, and whether it is then stopped when that is
+   fewer than the request's p drafts (q <= p); it ends where it started. 0, 1 (a matcher in its
+   error state: decline), or -1 with an error set. */
+static int chain_reach(PyObject *matcher, PyObject *chain, Py_ssize_t q, Py_ssize_t p,
+                       Py_ssize_t *c, int *stopped) {
     int64_t error = 0, taken = 0, flag = 0;
     if (call_int(matcher, s_is_error, NULL, 0, &error) != 0) return -1;
     if (error) return 1;
     if (call_int(matcher, s_try_consume, &chain, 1, &taken) != 0) return -1;
-    if (taken < 0 || taken > p) {
+    if (taken < 0 || taken > q) {
         PyErr_SetString(PyExc_RuntimeError, "llguidance consumed more drafts than it was given");
         return -1;
     }
@@ -177,6 +196,20 @@ static int chain_reach(PyObject *matcher, PyObject *chain, Py_ssize_t p, Py_ssiz
     return 0;
 }
 
+/* The matcher's row at `where` (nbytes bytes), and whether it is stopped when `ask`. 0, 1 (a
+   matcher in its error state: decline), or -1 with an error set. */
+static int root_row(PyObject *matcher, PyObject *where, PyObject *nbytes, int ask,
+                    int *stopped) {
+    int64_t error = 0, flag = 0;
+    PyObject *args[2] = {where, nbytes};
+    if (call_int(matcher, s_is_error, NULL, 0, &error) != 0) return -1;
+    if (error) return 1;
+    if (call_int(matcher, s_fill_row, args, 2, NULL) != 0) return -1;
+    if (ask && call_int(matcher, s_is_stopped, NULL, 0, &flag) != 0) return -1;
+    *stopped = (int)flag;
+    return 0;
+}
+
 /* Request b's rows, from row `row` of `rows` (m + 1 rows: its drafts and the bonus row).
    0, 1 to decline (a matcher in its error state), or -1 with an error set. */
 static int gstep_request(GStep *s, Py_ssize_t b, int32_t *rows, Py_ssize_t row) {
@@ -188,25 +221,25 @@ static int gstep_request(GStep *s, Py_ssize_t b, int32_t *rows, Py_ssize_t row) 
         ps_fill_rows(own, words, 0, m + 1, NULL, 0);
         return 0;
     }
-    Py_ssize_t p = 0, c = 0;
+    Py_ssize_t p = 0, q = 0, c = 0;
     while (p < m && drafts[p] >= 0) p++;
+    while (q < p && drafts[q] < s->vocab[b]) q++; /* llguidance is handed drafts [0, q) */
     int stopped = 0, status = 0;
     PyObject *where = PyLong_FromVoidPtr(own), *nbytes = PyLong_FromSsize_t(4 * words);
-    PyObject *chain = p > 0 ? int_list(drafts, p) : NULL;
-    if (where == NULL || nbytes == NULL || (p > 0 && chain == NULL)) {
+    PyObject *chain = q > 0 ? int_list(drafts, q) : NULL;
+    if (where == NULL || nbytes == NULL || (q > 0 && chain == NULL)) {
         status = -1;
-    } else if (p == 0) {
-        PyObject *args[2] = {where, nbytes};
-        status = call_int(matcher, s_fill_row, args, 2, NULL);
+    } else if (q == 0) {
+        status = root_row(matcher, where, nbytes, p > 0, &stopped);
     } else {
-        int32_t *last = own + p * words;
+        int32_t *last = own + q * words;
         memset(last, 0, sizeof(int32_t) * (size_t)words);
         PyObject *args[3] = {where, nbytes, chain};
         status = call_int(matcher, s_fill_chain, args, 3, NULL);
-        if (status == 0 && ps_nonzero_words(last, words, 0) > 0)
+        if (status == 0 && q == p && ps_nonzero_words(last, words, 0) > 0)
             c = p;
         else if (status == 0)
-            status = chain_reach(matcher, chain, p, &c, &stopped);
+            status = chain_reach(matcher, chain, q, p, &c, &stopped);
     }
     Py_XDECREF(where);
     Py_XDECREF(nbytes);
@@ -254,8 +287,10 @@ static PyObject *vllm_guidance(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     Array view;
     if (array_get(buffer, &view, 1, 'i', 4, 2, "rows") != 0) return NULL;
-    GStep s = {0};
+    GStep s;
+    memset(&s, 0, sizeof(s));
     s.words = view.view.shape[1];
+    s.capacity = view.view.shape[0];
     PyObject *result = NULL, *unwritten = PyList_New(0);
     Py_INCREF(ids);
     int done = 0;

@@ -8,7 +8,10 @@
    holds the matcher (a build's matchers are in the held table); the links and tokens are
    private copies, checked to form a tree before the first call, and the rows are held for
    the whole walk. Python code runs inside every call (another thread with it): nothing read
-   from the caller is read again after a call. */
+   from the caller is read again after a call.
+
+   A part of module.c (one translation unit): it uses arrays.c (exact_int, sequence_items,
+   Array) and kernels.c (the row and link kernels). */
 
 static PyObject *s_fill_row, *s_try_consume, *s_is_stopped, *s_is_error, *s_rollback,
     *s_stop_reason, *s_ended;

@@ -53,7 +53,7 @@
 #include "llguidance_entries.c"
 #include "guidance.c"
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -97,7 +97,7 @@ static PyMethodDef methods[] = {
      "llguidance_walk(matcher, next_token, next_sibling, draft, rows, limit, chain) -> (filled, "
      "checked, rejected)."},
     {"llguidance_walks", llguidance_walks, METH_VARARGS,
-     "llguidance_walks(rows, next_token, next_sibling, tokens, spans, matchers, limit, chain, "
+     "llguidance_walks(rows, next_token, next_sibling, tokens, spans, matchers, limits, chain, "
      "counts, live, accepted) -> (failed, error)."},
     {"llguidance_masks", llguidance_masks, METH_VARARGS,
      "llguidance_masks(grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid, "

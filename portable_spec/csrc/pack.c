@@ -15,8 +15,9 @@ typedef struct {
 } Pack;
 
 /* The first pass, nothing written: 1 when every draft list is a list or tuple of exact ints
-   inside int64 (none negative with `plain`), every chain fits its stride and every flag is a
-   bool; then p->ntokens and p->rows are set. 0 otherwise (no error set). Runs no Python code. */
+   inside int64 (none negative with `plain`), every chain fits its stride, every flag is a
+   bool and the totals fit a Py_ssize_t; then p->ntokens and p->rows are set. 0 otherwise (no
+   error set). Runs no Python code. */
 static int pack_check(Pack *p, PyObject *drafts) {
     Py_ssize_t n;
     p->requests = sequence_items(drafts, &n);
@@ -37,8 +38,11 @@ static int pack_check(Pack *p, PyObject *drafts) {
             int64_t value;
             if (exact_int(items[j], &value) != 0 || (p->plain && value < 0)) return 0;
         }
+        /* totals summed without overflow: a total past what a Py_ssize_t holds declines */
+        Py_ssize_t span = p->stride ? p->stride : k + 1;
+        if (k + 1 > PY_SSIZE_T_MAX - p->ntokens || span > PY_SSIZE_T_MAX - p->rows) return 0;
         p->ntokens += k + 1;
-        p->rows += p->stride ? p->stride : k + 1;
+        p->rows += span;
     }
     return 1;
 }

@@ -12,7 +12,7 @@ static PyObject *s_request, *s_grammar, *s_matcher;
 typedef struct {
     PyObject *drafts, *matchers, *stops;
     Facts *facts;
-    Py_ssize_t n, words, rows;
+    Py_ssize_t n, words, rows, capacity;
 } Step;
 
 static void step_clear(Step *s) {
@@ -24,10 +24,12 @@ static void step_clear(Step *s) {
 }
 
 /* The matcher of vLLM request `request` and its facts from `known` (id(grammar) -> (matcher,
-   handle, words, stop_ids, weak reference)): a new reference, or NULL (an error may be set:
-   the caller declines either way). */
+   handle, words, stop_ids, weak reference)): a new reference, its stop tokens a new reference
+   in *stops, or NULL (an error may be set: the caller declines either way). The entry is
+   read while this function holds the wrapper: dropping it may run the weak reference's
+   callback, which removes the entry and frees what only the entry held. */
 static PyObject *step_matcher(PyObject *request, PyObject *known, PyObject *wrappers,
-                              Py_ssize_t words, Facts *f) {
+                              Py_ssize_t words, Facts *f, PyObject **stops) {
     PyObject *held = PyObject_GetAttr(request, s_request);
     if (held == NULL) return NULL;
     PyObject *grammar = PyObject_GetAttr(held, s_grammar);
@@ -49,11 +51,12 @@ static PyObject *step_matcher(PyObject *request, PyObject *known, PyObject *wrap
             f->handle = (uintptr_t)handle;
             f->words = words;
             f->vocab = 32 * (int64_t)words;
-            f->stops = PyTuple_GET_ITEM(entry, 3);
+            f->stops = NULL; /* borrowed from the entry: owned through *stops instead */
+            *stops = Py_NewRef(PyTuple_GET_ITEM(entry, 3));
         }
     }
     Py_XDECREF(key);
-    Py_DECREF(grammar);
+    Py_DECREF(grammar); /* may run Python code: nothing of the entry is read after this */
     return matcher;
 }
 
@@ -69,17 +72,22 @@ static int step_read(Step *s, Py_ssize_t b, PyObject *id, PyObject *requests, Py
     PyObject *request = PyDict_GetItemWithError(requests, id);
     if (request == NULL) return 0;
     Py_INCREF(request); /* the attribute reads may run Python code */
-    PyObject *matcher = step_matcher(request, known, wrappers, s->words, &s->facts[b]);
+    PyObject *stops = NULL;
+    PyObject *matcher = step_matcher(request, known, wrappers, s->words, &s->facts[b], &stops);
     Py_DECREF(request);
     if (matcher == NULL) return 0;
     PyList_SET_ITEM(s->matchers, b, matcher);
+    int same = s->stops == NULL || stops == s->stops;
     if (s->stops == NULL)
-        s->stops = Py_NewRef(s->facts[b].stops);
-    else if (s->facts[b].stops != s->stops)
-        return 0;
+        s->stops = stops; /* the reference moves into the step */
+    else
+        Py_DECREF(stops);
+    if (!same) return 0;
     Py_ssize_t k = PyObject_Length(tokens);
     if (k < 0) return 0;
-    s->rows += stride ? stride : k + 1;
+    Py_ssize_t span = stride ? stride : k + 1;
+    if (span > s->capacity - s->rows) return 0; /* (s->rows <= s->capacity: no overflow) */
+    s->rows += span;
     return 1;
 }
 
@@ -163,8 +171,10 @@ static PyObject *vllm_chains(PyObject *self, PyObject *args) {
     Array view;
     if (array_get(buffer, &view, 1, 'i', 4, 2, "rows") != 0) return NULL;
     Py_ssize_t capacity = view.view.shape[0];
-    Step s = {0};
+    Step s;
+    memset(&s, 0, sizeof(s));
     s.words = view.view.shape[1];
+    s.capacity = capacity;
     array_release(&view);
     PyObject *result = NULL;
     Py_INCREF(ids);

@@ -69,7 +69,7 @@ def check_depths(
             deepest = int(depth[b].max())
             raise ValueError(
                 f"the tree of request {b} would be {deepest} draft tokens deep{where} but "
-                f"grammars[{b}] can roll back only {limit} (an outlines_core.Guide built "
+                f"matchers[{b}] can roll back only {limit} (an outlines_core.Guide built "
                 f"with max_rollback={limit}); build its Guide with max_rollback >= {deepest}"
             )
 

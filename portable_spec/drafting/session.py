@@ -34,7 +34,7 @@ class DraftSession:
     """Grammar masks for a batch of draft trees grown level by level.
 
     Args:
-        grammars: one entry per request, as for :func:`portable_spec.build_grammar_vocab_mask`:
+        matchers: one entry per request, as for :func:`portable_spec.build_grammar_vocab_mask`:
             ``None``, an ``xgrammar.GrammarMatcher``, an ``llguidance.LLMatcher``, an
             ``outlines_core.Guide`` or a :class:`portable_spec.GrammarMatcherLike`, each in the
             state after the request's committed tokens (the root's token included). They are
@@ -56,7 +56,7 @@ class DraftSession:
             is sized for it and grows when a tree gets larger.
 
     Raises:
-        TypeError, ValueError: bad grammars, vocabulary, device or ``d2t``; a matcher that a
+        TypeError, ValueError: bad matchers, vocabulary, device or ``d2t``; a matcher that a
             build started with ``wait=False`` still walks (as for a blocking build; the
             DraftSession's own calls that use the matchers refuse it too).
         MatcherError: a matcher raised while the root rows were filled.
@@ -67,7 +67,7 @@ class DraftSession:
 
     def __init__(
         self,
-        grammars: Sequence[Any],
+        matchers: Sequence[Any],
         vocab_size: int,
         *,
         device: Any = None,
@@ -76,23 +76,23 @@ class DraftSession:
         max_nodes: int = 64,
     ) -> None:
         self.vocab_size = check_vocab_size(vocab_size)
-        if isinstance(grammars, (str, bytes)) or not isinstance(grammars, Sequence):
+        if isinstance(matchers, (str, bytes)) or not isinstance(matchers, Sequence):
             raise TypeError(
-                "grammars must be a sequence with one entry per request, got "
-                f"{type(grammars).__name__}"
+                "matchers must be a sequence with one entry per request, got "
+                f"{type(matchers).__name__}"
             )
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, Integral) or max_nodes < 1:
             raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
-        self.batch = len(grammars)
+        self.batch = len(matchers)
         if self.batch == 0:
             raise ValueError("a draft session needs at least one request")
         self._backend, self._placement = resolve_target(device, backend)
         self._draft = None if d2t is None else DraftVocab(d2t, self.vocab_size)
-        kinds, infos = classify_grammars(grammars, self.batch, self.vocab_size)
-        check_not_pending(grammars)  # a pending build is walking them: refused before any move
+        kinds, infos = classify_grammars(matchers, self.batch, self.vocab_size)
+        check_not_pending(matchers)  # a pending build is walking them: refused before any move
         self.words = words_for(self.vocab_size)
         self._kinds = kinds
-        self._grammars = list(grammars)
+        self._grammars = list(matchers)
         self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
@@ -116,7 +116,7 @@ class DraftSession:
         self._live[:, 0] = True
         try:
             for b in self._constrained:
-                states = node_states(kinds[b], grammars[b], infos[b], self.words)  # type: ignore[arg-type]
+                states = node_states(kinds[b], matchers[b], infos[b], self.words)  # type: ignore[arg-type]
                 self._states[b] = states
                 try:
                     alive = states.start(rows[b])
@@ -531,9 +531,9 @@ class DraftSession:
 
 
 def forced_tokens(
-    grammars: Sequence[Any], vocab_size: int, *, max_tokens: int = 16
+    matchers: Sequence[Any], vocab_size: int, *, max_tokens: int = 16
 ) -> list[list[int]]:
     """The forced continuation of each request's grammar from its current state (see
     :meth:`DraftSession.forced`); matchers are not moved. Blocks for the host work only."""
-    with DraftSession(grammars, vocab_size, max_nodes=1) as session:
+    with DraftSession(matchers, vocab_size, max_nodes=1) as session:
         return session.forced(max_tokens=max_tokens)

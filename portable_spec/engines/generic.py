@@ -81,16 +81,16 @@ def walk_generic(
 
 def generic_info(matcher: Any, index: int, vocab_size: int) -> MatcherInfo:
     """The width of a protocol matcher: its optional ``vocab_size`` attribute, else the
-    model's. Raises ``TypeError``/``ValueError`` naming ``grammars[index]``."""
+    model's. Raises ``TypeError``/``ValueError`` naming ``matchers[index]``."""
     own = getattr(matcher, "vocab_size", None)
     if own is None:
         return MatcherInfo((vocab_size + 31) // 32, vocab_size)
     if isinstance(own, bool) or not isinstance(own, Integral) or own <= 0:
-        raise TypeError(f"grammars[{index}].vocab_size must be a positive int, got {own!r}")
+        raise TypeError(f"matchers[{index}].vocab_size must be a positive int, got {own!r}")
     own = int(own)
     if own > vocab_size:
         raise ValueError(
-            f"vocab_size = {vocab_size} is smaller than the vocabulary of grammars[{index}] "
+            f"vocab_size = {vocab_size} is smaller than the vocabulary of matchers[{index}] "
             f"({own} tokens)"
         )
     return MatcherInfo((own + 31) // 32, own)

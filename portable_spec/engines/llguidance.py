@@ -16,6 +16,12 @@ Facts of llguidance (1.x) this module relies on, each checked by the tests:
   ``try_consume_tokens`` does not. The walk only consumes tokens the parent's row allows, and
   through ``try_consume_tokens``. A matcher already in the error state is reported as a
   ``MatcherError`` naming its request.
+* A token id at or past the tokenizer's vocabulary (but inside its mask's last word, or a
+  padding id of wider logits) is an error for ``try_consume_tokens``, ``validate_tokens`` and
+  the executor alike, one the matcher never leaves either. An ``LLMatcher`` does not expose
+  its tokenizer: the probe finds the vocabulary size on forks (``deep_copy``, ``reset``,
+  ``validate_tokens``), and every walk and chain fill bounds its drafts by it (such a draft is
+  a refused node).
 * Masks and consumption hold the GIL (threads do not speed a per-node loop up), but the
   executor (``LLExecutor.unsafe_compute_mask_ptr_with_draft_token``) fills whole chains for
   many matchers in parallel in Rust, without moving them: it writes the start state's row and
@@ -76,12 +82,13 @@ def check_llmatcher(matcher: Any) -> None:
 
 
 def probe_llguidance(matcher: Any, model_words: int) -> MatcherInfo:
-    """The bitmask width of an ``LLMatcher`` (its tokenizer's vocabulary), without moving it;
-    cached per matcher object.
+    """The bitmask width of an ``LLMatcher`` and its tokenizer's vocabulary size, without
+    moving it; cached per matcher object.
 
     llguidance accepts exactly its own width. The model's width is tried first (the common
     case); otherwise the width is read off ``compute_bitmask()``, which returns one bit per
     token (rounded up to whole words, with up to one word of slack), and confirmed by a fill.
+    The vocabulary size (in the width's last word) is found by :func:`_vocabulary`.
     """
     info = _cache.get(matcher)
     if info is not None:
@@ -97,9 +104,42 @@ def probe_llguidance(matcher: Any, model_words: int) -> MatcherInfo:
         break
     if words is None:
         raise TypeError("could not determine the bitmask width of an llguidance.LLMatcher")
-    info = MatcherInfo(words=words, vocab_size=32 * words)
+    info = MatcherInfo(words=words, vocab_size=_vocabulary(matcher, words))
     _cache.put(matcher, info)
     return info
+
+
+def _vocabulary(matcher: Any, words: int) -> int:
+    """The size of ``matcher``'s tokenizer vocabulary, whose mask is ``words`` words wide:
+    between ``32 * (words - 1)`` (exclusive) and ``32 * words``.
+
+    llguidance takes an id at or past its vocabulary for an error (and ids below it never),
+    so the first such id is found by bisection over the last word, each guess asked of a
+    fork of the matcher reset to its grammar's start (``validate_tokens`` on a fork: the
+    matcher itself is never moved); one fork when the vocabulary fills the last word, at most
+    six otherwise, about a microsecond each. A grammar complete at its start validates
+    nothing: then ``32 * words`` (its masks allow the end token only, so no draft past the
+    vocabulary can be taken either)."""
+    top = 32 * words
+
+    def past(token: int) -> bool:  # whether ``token`` lies at or past the vocabulary
+        fork = matcher.deep_copy()
+        fork.reset()
+        fork.validate_tokens([token])
+        return bool(fork.is_error())
+
+    start = matcher.deep_copy()
+    start.reset()
+    if start.is_error() or start.is_stopped() or not past(top - 1):
+        return top
+    low, high = top - 32, top - 1  # low lies inside the vocabulary, high past it
+    while high - low > 1:
+        middle = (low + high) // 2
+        if past(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def held_facts() -> dict[int, tuple[Any, MatcherInfo]]:
@@ -257,7 +297,9 @@ def fill_llguidance_chains(
         width: their bitmask width in words.
         draft: the batch's int64 ``[batch, nodes]`` draft tokens.
         mask: int32 ``[batch * nodes, words]``; the requests' row blocks are written whole.
-        vocab_size: the model's vocabulary size.
+        vocab_size: the model's vocabulary size. A draft at or past it, or past its matcher's
+            tokenizer vocabulary (:func:`probe_llguidance`), ends its chain as a refused node:
+            the executor is never handed one.
         counts: int64 ``[batch, 2]``: ``(checked, refused)`` draft nodes, set per request.
         threads: the executor's thread count.
         live: optional bool ``[batch * nodes]``; the live nodes' rows are set True.
@@ -273,8 +315,10 @@ def fill_llguidance_chains(
     """
     nodes = draft.shape[1]
     words = mask.shape[1]
-    limit = min(vocab_size, 32 * width)
     requests = list(matchers)
+    # per request: its tokens bounded by its tokenizer's vocabulary (llguidance takes an id
+    # past it for an error it never leaves), int64 [count, 1]
+    limit = np.array([[_limit(matchers[b], width, vocab_size)] for b in requests], np.int64)
     count = len(requests)
     direct = width == words  # the executor writes into the mask's own rows
     target = mask if direct else np.empty((count * nodes, width), dtype=np.int32)
@@ -320,14 +364,28 @@ def fill_llguidance_chains(
     return alive
 
 
+def _limit(matcher: Any, width: int, vocab_size: int) -> int:
+    """The bound of ``matcher``'s draft tokens: the model's vocabulary and its tokenizer's."""
+    info = _cache.get(matcher)
+    if info is None or info.words != width:
+        info = probe_llguidance(matcher, width)
+    return min(vocab_size, info.vocab_size)
+
+
 def _chain_counts(
-    mask: np.ndarray, out_rows: np.ndarray, tokens: np.ndarray, alive: np.ndarray, limit: int
+    mask: np.ndarray,
+    out_rows: np.ndarray,
+    tokens: np.ndarray,
+    alive: np.ndarray,
+    limit: np.ndarray,
 ) -> np.ndarray:
     """``[requests, 2]`` (checked, refused): children of live nodes, and the first non-live
-    draft if its parent's row refuses it (an end token is accepted, not refused)."""
+    draft if its parent's row refuses it (an end token is accepted, not refused). ``limit``:
+    int64 ``[requests, 1]``, each request's token bound."""
     count, nodes = out_rows.shape
     if nodes == 1:
         return np.zeros((count, 2), dtype=np.int64)
+    limit = limit[:, 0]
     checked = np.minimum(alive, nodes - 1)
     first_out = np.maximum(np.minimum(alive, nodes - 1) - 1, 0)  # draft index of the first
     stop = tokens[np.arange(count), first_out]  # non-live node (its parent: node first_out)

@@ -20,6 +20,10 @@ Whether llguidance consumed every draft is read off the chain's last row, cleare
 call: llguidance writes it only then, and a written row is (almost) never all-zero. A row left
 all-zero (a refused draft, a complete grammar, the end token, or that rare row) makes the
 matcher say how far it goes: ``try_consume_tokens``, rolled back.
+
+A draft at or past the tokenizer's vocabulary (a padding id of logits wider than the
+tokenizer) is never handed to llguidance, which takes one for an error it never leaves: the
+chain stops before it, and it is refused as a draft the parser does not take.
 """
 
 from __future__ import annotations
@@ -37,16 +41,18 @@ __all__ = ["guidance_rows"]
 
 _WRAPPER = "GuidanceGrammar"  # vLLM's llguidance grammar class
 _wrapper_types: set[type] = set()
-_eos: dict[int, tuple[Any, int]] = {}  # id(LLTokenizer) -> (the tokenizer, its end token)
+# id(LLTokenizer) -> (the tokenizer, its end token, its vocabulary size)
+_eos: dict[int, tuple[Any, int, int]] = {}
 
 
-def _end_token(tokenizer: Any) -> int:
+def _tokenizer_facts(tokenizer: Any) -> tuple[Any, int, int]:
     entry = _eos.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         if len(_eos) > 64:
             _eos.clear()
-        entry = _eos[id(tokenizer)] = (tokenizer, int(tokenizer.eos_token))
-    return entry[1]
+        entry = (tokenizer, int(tokenizer.eos_token), int(tokenizer.vocab_size))
+        _eos[id(tokenizer)] = entry
+    return entry
 
 
 def guidance_rows(
@@ -60,11 +66,14 @@ def guidance_rows(
     """vLLM's rows of a guidance step written into ``buffer`` (int32 ``[rows, words]``, vLLM's
     bitmask as numpy): returns the int32 ``[rows used, words]`` view written and the strided
     rows vLLM never reads, or ``None`` (nothing moved; rows may have been written) when the
-    step is not one this path takes: another backend, a draft that is neither a token id nor
-    ``-1`` padding, a chain longer than the strided layout allows, a matcher in its error
-    state or held by a build of the library, a mask width llguidance refuses. ``stride_k``: the
-    number of speculative tokens for vLLM 0.33's strided rows, ``None`` for 0.32's packed ones.
-    Blocks until the rows are written; every matcher ends where it started.
+    step is not one this path takes: another backend, objects not shaped as vLLM's, a draft
+    that is neither a token id inside the mask nor ``-1`` padding, a chain longer than the
+    strided layout allows, a mask whose width is not the tokenizer's, a matcher in its error
+    state or held by a build of the library. A draft at or past the tokenizer's vocabulary
+    (inside the mask) is a refused draft, never handed to llguidance. ``stride_k``: the number
+    of speculative tokens for vLLM 0.33's strided rows, ``None`` for 0.32's packed ones.
+    Blocks until the rows are written; every matcher ends where it started. Raises only what
+    llguidance itself raises once asked for a row.
     """
     if not ids or may_reason(manager):
         return None
@@ -73,31 +82,23 @@ def guidance_rows(
     done = compiled.vllm_guidance(requests, ids, spec, _wrapper_types, _eos, buffer, stride)
     if done is not None:
         return done
-    limit = buffer.shape[1] * 32
-    wrappers = _wrapper_types
-    grammars: list[Any] = []
-    drafts: list[list[int]] = []
-    total = 0
-    for req_id in ids:
-        grammar = wrapped_grammar(requests[req_id].structured_output_request, wrappers, _WRAPPER)
-        if grammar is None:
-            return None
-        tokens = spec.get(req_id) or []
-        if tokens and (min(tokens) < -1 or max(tokens) >= limit):
-            return None
-        grammars.append(grammar)
-        drafts.append(tokens)
-        total += stride or len(tokens) + 1
+    try:  # vLLM's objects read; nothing moves
+        step = _read(requests, ids, spec, buffer.shape[1])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None  # not shaped as vLLM's: the checked path says what is wrong
+    if step is None:
+        return None
+    drafts = [tokens for _, tokens, _ in step]
+    total = sum(stride or len(tokens) + 1 for tokens in drafts)
     if total > buffer.shape[0] or (stride and max(map(len, drafts)) >= stride):
         return None
     out = buffer[:total]
-    matchers = [g.ll_matcher for g in grammars]
     try:
-        token, held_now = hold_matchers(matchers)
+        token, held_now = hold_matchers([matcher for matcher, _, _ in step])
     except ValueError:
         return None
     try:
-        unwritten = _write(grammars, matchers, drafts, out, stride)
+        unwritten = _write(step, out, stride)
     finally:
         release_matchers(token, held_now)
     if unwritten is None:
@@ -105,15 +106,45 @@ def guidance_rows(
     return out, unwritten
 
 
-def _write(
-    grammars: list[Any], matchers: list[Any], drafts: list[list[int]], out: np.ndarray, stride: int
-) -> list[int] | None:
+#: per request: its matcher (None: vLLM's wrapper says terminated), its drafts, and its
+#: tokenizer's (end token, vocabulary size)
+_Request = tuple[Any, list[int], tuple[int, int]]
+
+
+def _read(
+    requests: dict[str, Any], ids: Sequence[str], spec: dict[str, list[int]], words: int
+) -> list[_Request] | None:
+    """Each request of the step as :func:`_write` takes it, or None when one is not a
+    guidance request, a draft is neither an int inside the mask nor ``-1``, or the mask is not
+    as wide as the tokenizer's. Raises what reading an object shaped unlike vLLM's raises."""
+    limit = 32 * words
+    step: list[_Request] = []
+    for req_id in ids:
+        held = requests[req_id].structured_output_request
+        grammar = wrapped_grammar(held, _wrapper_types, _WRAPPER)
+        if grammar is None:
+            return None
+        tokens = spec.get(req_id) or []
+        if type(tokens) not in (list, tuple) or not all(
+            type(t) is int and -1 <= t < limit for t in tokens
+        ):
+            return None
+        terminated = bool(grammar.terminated)
+        _, eos, vocab = _tokenizer_facts(grammar.ll_tokenizer)
+        if (vocab + 31) // 32 != words:
+            return None
+        matcher = None if terminated else grammar.ll_matcher
+        step.append((matcher, list(tokens), (eos, vocab)))
+    return step
+
+
+def _write(step: list[_Request], out: np.ndarray, stride: int) -> list[int] | None:
     row_bytes = out.strides[0]
     nbytes = out.shape[1] * 4
     base = out.ctypes.data
     unwritten: list[int] = []
     row = 0
-    for grammar, matcher, tokens in zip(grammars, matchers, drafts, strict=True):
+    for matcher, tokens, (eos, vocab) in step:
         m = len(tokens)
         end = row + m  # the request's last row
         if stride:
@@ -123,32 +154,33 @@ def _write(
             nxt = row + stride
         else:
             nxt = end + 1
-        if grammar.terminated:
+        if matcher is None:  # vLLM's wrapper says terminated: every row all-allowed
             out[row : end + 1] = -1
             row = nxt
             continue
         p = tokens.index(-1) if m and min(tokens) < 0 else m
-        if p == 0:
-            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, nbytes)
-            if m:
-                out[row + 1 : end + 1] = -1
-            row = nxt
-            continue
-        chain = tokens[:p] if p < m else tokens
-        last = out[row + p]
-        last[:] = 0
-        matcher.unsafe_compute_mask_ptr_with_draft_token(base + row * row_bytes, nbytes, chain)
-        eos = _end_token(grammar.ll_tokenizer)
-        stopped = False
-        if last.any():
-            c = p
-        else:  # the chain ended early: ask the matcher where (it ends where it started)
+        # llguidance is handed the drafts before the first one past its vocabulary
+        q = next((i for i in range(p) if tokens[i] >= vocab), p)
+        if q == 0:
             if matcher.is_error():
                 return None
-            c = matcher.try_consume_tokens(chain)
-            stopped = c < p and matcher.is_stopped()
-            if c:
-                matcher.rollback(c)
+            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, nbytes)
+            c, stopped = 0, p > 0 and matcher.is_stopped()
+        else:
+            chain = tokens[:q]
+            last = out[row + q]
+            last[:] = 0
+            matcher.unsafe_compute_mask_ptr_with_draft_token(base + row * row_bytes, nbytes, chain)
+            if q == p and last.any():
+                c, stopped = p, False
+            else:  # the chain ended early: ask the matcher where (it ends where it started)
+                if matcher.is_error():
+                    return None
+                c = matcher.try_consume_tokens(chain)
+                stopped = c < p and matcher.is_stopped()
+                if c:
+                    matcher.rollback(c)
+        chain = tokens[:p]
         if eos in chain[:c]:  # consumed: the grammar ended; every later row all-allowed
             out[row + chain.index(eos) + 1 : end + 1] = -1
         elif stopped:

@@ -124,11 +124,12 @@ def is_installed() -> bool:
 def install() -> bool:
     """Patch tpu-inference's runner in this process (importing it if needed).
 
-    Returns True when the runner is patched (also when it already was), False when the
-    tpu-inference or vLLM version is not one whose rows this module knows (one ``WARNING``
-    line; tpu-inference's own code stays). Raises ImportError without tpu-inference.
-    Idempotent; does not block.
+    Returns True when the runner is patched (also when it already was), False without
+    tpu-inference, or when the tpu-inference or vLLM version is not one whose rows this module
+    knows (one ``WARNING`` line; tpu-inference's own code stays). Idempotent; does not block.
     """
+    if importlib.util.find_spec("tpu_inference") is None:
+        return False
     module = importlib.import_module(RUNNER_MODULE)
     return _patch(module)
 

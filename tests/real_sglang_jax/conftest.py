@@ -14,6 +14,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+#: the modules that launch sglang-jax's whole engine (minutes each): run after the others, so
+#: that the first results come within a minute or two
+ENGINE_MODULES = ("test_eagle_loop.py", "test_engine.py")
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    items.sort(key=lambda item: item.path.name in ENGINE_MODULES)  # (a stable sort)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     shared = sys.modules.get("_sgl")
     checked = getattr(shared, "CHECKED", None)
