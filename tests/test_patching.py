@@ -345,3 +345,37 @@ def test_stats_shape_and_threads():
         stats.add("unknown")
     stats.reset()
     assert stats.snapshot()["steps"] == 0 and stats.snapshot()["median_us"] == {}
+
+
+def test_stats_list_their_builds_before_any_timing():
+    stats = Stats(["calls"], builds=["portable_spec", "engine"])
+    assert stats.add("calls") == 1 and stats.add("calls", 2) == 3
+    snap = stats.snapshot()
+    assert snap["median_us"] == {"portable_spec": {}, "engine": {}}
+    assert snap["samples"] == {"portable_spec": {}, "engine": {}}
+    stats.time("engine", 4, 5e-6)
+    stats.reset()
+    assert stats.snapshot()["median_us"] == {"portable_spec": {}, "engine": {}}
+
+
+def test_sources_are_what_a_new_revision_lists(engine):
+    patches = _set(engine)
+    assert patches.sources() == dict(patches.revisions["r1"].sources)
+    missing = PatchSet(
+        "fake",
+        patches=[Patch(f"{engine}.core:nowhere")],
+        revisions={},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+    assert missing.sources() == {f"{engine}.core:nowhere": None}
+
+
+def test_reset_warning_warns_again(engine, caplog):
+    patches = _set(engine, version="9.0")
+    with caplog.at_level(logging.WARNING, "test.fake"):
+        assert not patches.install()
+        assert not patches.install()
+        patches.reset_warning()
+        assert not patches.install()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2

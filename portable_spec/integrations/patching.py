@@ -179,6 +179,16 @@ class PatchSet:
                 return getattr(self._applied[target][3], _ORIGINAL)
         return resolve(target)[2]
 
+    def sources(self) -> dict[str, str | None]:
+        """The :func:`source_hash` of every target in this process's engine (None: missing, or
+        no source to read): what a new :class:`Revision` of the table lists."""
+        return {patch.target: _hash_or_none(patch.target) for patch in self.patches}
+
+    def reset_warning(self) -> None:
+        """Let the next :meth:`install` that does not recognise the engine warn again."""
+        with self._lock:
+            self._warned = False
+
     def recognise(self) -> tuple[str | None, str]:
         """``(label, "")`` of the known revision the installed engine is, or ``(None, why)``."""
         try:
@@ -371,14 +381,22 @@ class Stats:
 
     ``counters``: names counted with :meth:`add`; ``series``: names whose last ``history``
     values :meth:`sample` keeps (seconds waited, rows per step...); :meth:`time` keeps the
-    last ``history`` durations per build name and batch size. :meth:`snapshot` never blocks.
+    last ``history`` durations per build name and batch size; ``builds``: build names listed
+    in every snapshot, timed or not (an integration's own and the engine's, say).
+    :meth:`snapshot` never blocks.
     """
 
     def __init__(
-        self, counters: Sequence[str], series: Sequence[str] = (), *, history: int = 4096
+        self,
+        counters: Sequence[str],
+        series: Sequence[str] = (),
+        *,
+        builds: Sequence[str] = (),
+        history: int = 4096,
     ) -> None:
         self._names = tuple(counters)
         self._series_names = tuple(series)
+        self._builds = tuple(builds)
         self._history = history
         self._lock = threading.Lock()
         self.reset()
@@ -389,11 +407,14 @@ class Stats:
             self._series: dict[str, deque[float]] = {
                 n: deque(maxlen=self._history) for n in self._series_names
             }
-            self._times: dict[str, dict[int, deque[float]]] = {}
+            self._times: dict[str, dict[int, deque[float]]] = {b: {} for b in self._builds}
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, name: str, n: int = 1) -> int:
+        """Add ``n`` to counter ``name``; returns its new value (KeyError for an unknown name)."""
         with self._lock:
-            self._counters[name] += n
+            value = self._counters[name] + n
+            self._counters[name] = value
+            return value
 
     def sample(self, name: str, value: float) -> None:
         with self._lock:
