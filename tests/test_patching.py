@@ -14,6 +14,7 @@ import pytest
 
 from portable_spec.integrations.patching import (
     ImportHook,
+    LogOnce,
     Patch,
     PatchSet,
     Revision,
@@ -379,3 +380,21 @@ def test_reset_warning_warns_again(engine, caplog):
         patches.reset_warning()
         assert not patches.install()
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_log_once_per_kind_until_reset(caplog):
+    once = LogOnce(logging.getLogger("test.fake"))
+    with caplog.at_level(logging.INFO, "test.fake"):
+        for _ in range(3):
+            once.warning("a", "refused %s", "a")
+            once.warning("b", "refused %s", "b")
+            once.info("c", "said once")
+        once.reset()
+        once.warning("a", "refused %s", "a")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a",
+        "refused b",
+        "said once",
+        "refused a",
+    ]
+    assert once.first("d") and not once.first("d")

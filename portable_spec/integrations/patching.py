@@ -9,8 +9,9 @@ logs one warning naming what differs, patches nothing and the engine runs its ow
 
 Also here: :func:`read_mode` (the ``1``/``shadow``/``0`` switch every integration reads from
 its environment variable), :class:`ImportHook` (patch when a module is imported, for engines
-that start their workers in processes of their own) and :class:`Stats` (one shape of counters,
-series and per-batch timings for every integration's ``integration_stats()``).
+that start their workers in processes of their own), :class:`Stats` (one shape of counters,
+series and per-batch timings for every integration's ``integration_stats()``) and
+:class:`LogOnce` (a message per kind of event, once per process, in the engine's log).
 
 Nothing here imports an engine; :func:`resolve` imports a target's module when asked.
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "ImportHook",
+    "LogOnce",
     "Patch",
     "PatchSet",
     "Revision",
@@ -374,6 +376,39 @@ class _Loader(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
         return getattr(self._loader, name)
+
+
+class LogOnce:
+    """Log each kind of event once per process (until :meth:`reset`): a step an integration
+    leaves to the engine's own code says why the first time only. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, key: str) -> bool:
+        """True the first time ``key`` is asked for (since the last :meth:`reset`)."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def warning(self, key: str, message: str, *args: Any) -> None:
+        """``logger.warning(message, *args)`` the first time ``key`` is seen."""
+        if self.first(key):
+            self.logger.warning(message, *args)
+
+    def info(self, key: str, message: str, *args: Any) -> None:
+        """``logger.info(message, *args)`` the first time ``key`` is seen."""
+        if self.first(key):
+            self.logger.info(message, *args)
+
+    def reset(self) -> None:
+        """Every kind may be logged again."""
+        with self._lock:
+            self._seen.clear()
 
 
 class Stats:
