@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from portable_spec.integrations._tpu_rows import map_rows
+from portable_spec.integrations.tpu_inference.rows import map_rows
 
 
 def _reference(ids, spec, ranks, drafts, num_logits):

@@ -19,8 +19,8 @@ import pytest
 
 from portable_spec import native as compiled
 from portable_spec import testing as samples
-from portable_spec.integrations import _vllm_guidance
-from portable_spec.integrations import vllm as plugin
+from portable_spec.integrations.vllm import bitmask as plugin
+from portable_spec.integrations.vllm import guidance as guidance_path
 from portable_spec.pending import hold_matchers, release_matchers
 
 llguidance = pytest.importorskip("llguidance")
@@ -240,7 +240,8 @@ def test_guidance_steps_match_replay(grammars, layout, way, monkeypatch):
             if manager._grammar_bitmask is not None:
                 manager._grammar_bitmask.numpy()[:] = 7
             read.clear()
-            out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+            built = plugin.build_or_none(manager, requests, ids, spec, layout=layout)
+            out = built.rows
             assert taken[-1], f"step {step} left the guidance path"
             if call == "again":  # the wrapper class and tokenizer are known by now
                 assert read == [way == "compiled"]
@@ -255,7 +256,7 @@ def test_guidance_steps_match_replay(grammars, layout, way, monkeypatch):
                     unwritten.extend(range(row, row + tail))
                     row += tail
             assert len(out) == row
-            assert list(manager._portable_spec_unwritten) == unwritten
+            assert built.unwritten == unwritten
 
 
 @pytest.mark.parametrize("way", ["compiled", "python"])
@@ -275,26 +276,26 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     spec = {rid: [rng.randrange(3, 49152)] for rid in requests}
     ids = list(requests)
     manager = _manager()
-    assert plugin._build_or_none(manager, requests, ids, spec) is not None  # learns
+    assert plugin.build_or_none(manager, requests, ids, spec) is not None  # learns
     buffer = manager._grammar_bitmask.numpy()
     before = _states(requests)
     cases = [
-        (manager, requests, dict(spec, r1=[-2]), None),
-        (manager, requests, dict(spec, r1=[49152]), None),
-        (manager, requests, dict(spec, r1=[5, 6]), 1),
+        (manager, requests, dict(spec, r1=[-2]), 0),
+        (manager, requests, dict(spec, r1=[49152]), 0),
+        (manager, requests, dict(spec, r1=[5, 6]), 2),
     ]
     reasoning = _manager(reasoner=object)
-    cases.append((reasoning, requests, spec, None))
+    cases.append((reasoning, requests, spec, 0))
     other = dict(requests, r2=SimpleNamespace(structured_output_request=StructuredOutputRequest(
         SimpleNamespace(ll_matcher=None))))  # fmt: skip
-    cases.append((manager, other, spec, None))
-    for owner, reqs, drafts, stride_k in cases:
-        assert _vllm_guidance.guidance_rows(owner, reqs, ids, drafts, stride_k, buffer) is None
+    cases.append((manager, other, spec, 0))
+    for owner, reqs, drafts, stride in cases:
+        assert guidance_path.guidance_rows(owner, reqs, ids, drafts, stride, buffer) is None
         assert _states(requests) == before
     matcher = requests["r0"].structured_output_request.grammar.ll_matcher
     token, held = hold_matchers([matcher])
     try:
-        assert _vllm_guidance.guidance_rows(manager, requests, ids, spec, None, buffer) is None
+        assert guidance_path.guidance_rows(manager, requests, ids, spec, 0, buffer) is None
     finally:
         release_matchers(token, held)
     assert _states(requests) == before
@@ -303,5 +304,5 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     wrapper = requests["r1"].structured_output_request.grammar
     wrapper.ll_matcher = broken
     # its chain is cut short (it takes nothing), then the matcher is asked: declined
-    assert _vllm_guidance.guidance_rows(manager, requests, ids, spec, None, buffer) is None
+    assert guidance_path.guidance_rows(manager, requests, ids, spec, 0, buffer) is None
     assert _states({k: v for k, v in requests.items() if k != "r1"}) == [before[0], before[2]]

@@ -1,113 +1,101 @@
-"""tpu-inference (vLLM on TPU): vLLM's grammar rows on the logits rows they belong to.
-
-tpu-inference 0.32 applies vLLM's structured-output bitmask as if every request had one
-logits row: ``StructuredDecodingManager.prepare_structured_decoding_input`` copies row ``i``
-of vLLM's bitmask to the ``i``-th request of ``sorted(structured_output_request_ids)``. vLLM
-0.32 writes ``1 + len(drafts)`` rows per structured request, in the order of
-``structured_output_request_ids``, and with speculative decoding tpu-inference's logits hold
-``1 + drafts`` rows per request. So with speculation a request gets another request's draft
-row (or the step fails on a reshape), and without it rows go to the wrong requests whenever
-vLLM's order is not the sorted one.
-
-Switched on, this module replaces three methods of tpu-inference's runner (its own code runs
-around them):
+"""tpu-inference's runner as the integration patches it: the table of known releases and the
+three replacements.
 
 * ``TPUModelRunner.sample_tokens`` keeps a reference to the step's state
   (``execute_model_state``: the scheduled drafts, the spec-decode metadata, the requests per
   data-parallel rank) for the mask, since tpu-inference clears it before preparing the mask;
 * ``StructuredDecodingManager.prepare_structured_decoding_input`` maps every logits row to
   the vLLM row of its own request and position (draft targets first, bonus last, padding and
-  unconstrained requests untouched) and uploads vLLM's rows as they are, with that index, in
-  one int32 ``[rows, 1 + words]`` array (one transfer per step);
+  unconstrained requests untouched, :mod:`~portable_spec.integrations.tpu_inference.rows`) and
+  uploads vLLM's rows as they are, with that index, in one int32 ``[rows, 1 + words]`` array
+  (one transfer per step);
 * ``StructuredDecodingManager.structured_decode_fn`` masks the logits in one jitted function
   whose inputs have static shapes (that array and the logits, which it donates: the masked
-  logits take their buffer), so the batch's mix never recompiles it.
+  logits take their buffer; :mod:`~portable_spec.integrations.tpu_inference.apply`), so the
+  batch's mix never recompiles it.
 
-Switches: ``PORTABLE_SPEC_VLLM=1`` (or ``on``) through the vLLM plugin's entry point (vLLM
-loads it in tpu-inference's processes too; the runner is patched when tpu-inference imports
-it), or :func:`install` in the process that runs the runner. ``shadow``, ``0``, unset: the
-runner is left as it is. Known versions: tpu-inference 0.32 with vLLM 0.32; any other gets
-one ``WARNING`` line and tpu-inference's own code. The rows themselves are vLLM's (built by
-the vLLM plugin when it is on): nothing is built twice.
+Recognised by :data:`REVISIONS`: tpu-inference's version and the source hash of the three
+methods and of what they rely on, vLLM's ``grammar_bitmask`` among them (the packed rows, in
+vLLM's request order, that the patched methods read).
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.metadata
 import importlib.util
 import logging
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from portable_spec.hostbuffers import HostBufferPool
-from portable_spec.integrations._tpu_rows import RowMap, map_rows
+from portable_spec.integrations.patching import LogOnce, Patch, PatchSet, Revision, Stats
+from portable_spec.integrations.tpu_inference.rows import RowMap, map_rows
 
 __all__ = [
-    "KNOWN_VERSIONS",
+    "REVISIONS",
     "RUNNER_MODULE",
-    "install",
-    "integration_stats",
-    "is_installed",
+    "STATS",
+    "patch_set",
     "prepare_rows",
-    "register",
-    "reset_stats",
-    "uninstall",
-    "versions_known",
+    "version",
 ]
 
-#: tpu-inference releases (major.minor) whose runner this module patches.
-KNOWN_VERSIONS = ("0.32",)
-#: vLLM releases whose packed rows (``1 + len(drafts)`` per structured request) it reads.
-VLLM_VERSIONS = ("0.32",)
-#: the module that defines ``TPUModelRunner`` (it imports the structured-decoding manager).
+#: the module that defines ``TPUModelRunner`` (it imports the structured-decoding manager)
 RUNNER_MODULE = "tpu_inference.runner.tpu_runner"
 MANAGER_MODULE = "tpu_inference.runner.structured_decoding_manager"
 
 logger = logging.getLogger("vllm.portable_spec.tpu_inference")
 
-_lock = threading.Lock()
-# (class, attribute) -> tpu-inference's own function, while patched
-_originals: dict[tuple[type, str], Any] = {}
+_RUNNER = f"{RUNNER_MODULE}:TPUModelRunner"
+_MANAGER = f"{MANAGER_MODULE}:StructuredDecodingManager"
+SAMPLE_TOKENS = f"{_RUNNER}.sample_tokens"
+PREPARE = f"{_MANAGER}.prepare_structured_decoding_input"
+DECODE = f"{_MANAGER}.structured_decode_fn"
+# what the replacements read: the manager's runner, the step state's and the spec-decode
+# metadata's fields, tpu-inference's upload, the inputs its start-up precompilation passes,
+# and vLLM's packed rows
+_INIT = f"{_MANAGER}.__init__"
+_STATE = f"{RUNNER_MODULE}:ExecuteModelState"
+_META = "tpu_inference.runner.utils:SpecDecodeMetadata"
+_UPLOAD = "tpu_inference.utils:device_array"
+_PRECOMPILE = (
+    "tpu_inference.runner.compilation_manager:CompilationManager._precompile_structured_decoding"
+)
+_VLLM_ROWS = "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask"
+READS = (_INIT, _STATE, _META, _UPLOAD, _PRECOMPILE, _VLLM_ROWS)
+
+#: The tpu-inference releases this integration knows (with the vLLM release whose rows they
+#: read): version prefix and the source hash of every target at that release.
+REVISIONS: dict[str, Revision] = {
+    "0.32": Revision(
+        "0.32",
+        {
+            SAMPLE_TOKENS: "6e202795a762dce5a2a1dcbc41c625402e0787422cb02a3f56a0766f3fc504fe",
+            PREPARE: "284dc17855c0fd07a1c484ac2296e9acb880cfaafe991563eeb2c44519b73edb",
+            DECODE: "8f9c16a5f6cc21f95bcb8076714bf214286e94be82ff536c64740bec9fa168eb",
+            _INIT: "989bbfccc41b2c6eb09cc17d3d4a20105979bdfca81f105c3c862df79c32fa39",
+            _STATE: "f2a0f2d90e4f566c5f72e5eba83fd31fba51565d7b4be47ce1b69d81570f5eab",
+            _META: "61cbf78a2d4017b71259f7c8f1eba2a4900312e96bc9dc53e715a92d7ebeac9a",
+            _UPLOAD: "13973abbdcafb7e514451f23a0a4207d0736aea8f7cda049718eb30df88dd159",
+            _PRECOMPILE: "d85dc4489b240c02977ee85773648b58ab2288e6fddcd9e291b3033fff0b9f9e",
+            # vLLM 0.32's grammar_bitmask: packed rows in structured_output_request_ids order
+            _VLLM_ROWS: "46f2867ad31aea096ea3a719c5336d4736df94cf2142fd6b0eb68b006aa2a30c",
+        },
+    ),
+}
+
+STATS = Stats(("steps", "rows", "skipped_requests"))
+once = LogOnce(logger)
 _pool = HostBufferPool(max_free=4)
-_warned: set[str] = set()
 
 
-def _new_stats() -> dict[str, int]:
-    return {"steps": 0, "rows": 0, "skipped_requests": 0}
-
-
-_stats = _new_stats()
-
-
-def integration_stats() -> dict[str, int]:
-    """This process's counters: ``steps`` whose mask the integration prepared, ``rows``
-    (logits rows given a grammar row), ``skipped_requests`` (structured requests that were not
-    in the runner's batch: their rows skipped, with a log line). Never blocks."""
-    return dict(_stats)
-
-
-def reset_stats() -> None:
-    """Zero this process's counters; the once-per-process warnings may be logged again."""
-    _stats.update(_new_stats())
-    _warned.clear()
-
-
-def _minor(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-def versions_known(tpu_inference_version: str, vllm_version: str) -> bool:
-    """Whether this module patches tpu-inference ``tpu_inference_version`` running vLLM
-    ``vllm_version`` (``"0.32.0"``, ``"0.32.0"`` -> True)."""
-    return _minor(tpu_inference_version) in KNOWN_VERSIONS and _minor(vllm_version) in VLLM_VERSIONS
-
-
-def _tpu_inference_version() -> str | None:
+def version() -> str | None:
+    """tpu-inference's installed version, or None without tpu-inference (imports nothing)."""
+    if importlib.util.find_spec("tpu_inference") is None:
+        return None
     for name in ("tpu-inference", "tpu_inference"):
         try:
             return importlib.metadata.version(name)
@@ -116,131 +104,20 @@ def _tpu_inference_version() -> str | None:
     return None
 
 
-def is_installed() -> bool:
-    """Whether tpu-inference's runner is patched in this process."""
-    return bool(_originals)
-
-
-def install() -> bool:
-    """Patch tpu-inference's runner in this process (importing it if needed).
-
-    Returns True when the runner is patched (also when it already was), False when the
-    tpu-inference or vLLM version is not one whose rows this module knows (one ``WARNING``
-    line; tpu-inference's own code stays). Raises ImportError without tpu-inference.
-    Idempotent; does not block.
-    """
-    module = importlib.import_module(RUNNER_MODULE)
-    return _patch(module)
-
-
-def uninstall() -> bool:
-    """Give tpu-inference's runner its own methods back. Returns whether it was patched."""
-    with _lock:
-        if not _originals:
-            return False
-        for (owner, name), original in _originals.items():
-            setattr(owner, name, original)
-        _originals.clear()
-    _remove_hook()
-    return True
-
-
-def register() -> None:
-    """Patch tpu-inference's runner as soon as it is imported in this process (now, if it
-    already is). The vLLM plugin's entry point calls this when ``PORTABLE_SPEC_VLLM`` is on;
-    it does nothing where tpu-inference is not installed, and imports nothing of it."""
-    module = sys.modules.get(RUNNER_MODULE)
-    if module is not None:
-        _patch(module)
-        return
-    if importlib.util.find_spec("tpu_inference") is None:
-        return
-    with _lock:
-        if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport())
-
-
-def _remove_hook() -> None:
-    with _lock:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds tpu-inference's runner module as the other finders do, with a loader that
-    patches it right after it ran; removes itself on first use."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != RUNNER_MODULE:
-            return None
-        _remove_hook()
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchAfterExec(spec.loader)
-        return spec
-
-
-class _PatchAfterExec(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        try:
-            _patch(module)
-        except Exception:  # never break tpu-inference's own import
-            logger.exception("portable_spec: tpu-inference's runner could not be patched")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-def _patch(runner_module: Any) -> bool:
-    """Patch the classes of an imported runner module (see :func:`install`)."""
-    import vllm
-
-    version = _tpu_inference_version()
-    with _lock:
-        if _originals:
-            return True
-        if version is None or not versions_known(version, vllm.__version__):
-            logger.warning(
-                "portable_spec: tpu-inference %s with vLLM %s is not a pair whose grammar "
-                "rows this integration knows (tpu-inference %s with vLLM %s): tpu-inference's "
-                "own structured decoding is used",
-                version,
-                vllm.__version__,
-                "/".join(KNOWN_VERSIONS),
-                "/".join(VLLM_VERSIONS),
-            )
-            return False
-        runner_cls = runner_module.TPUModelRunner
-        manager_cls = sys.modules[MANAGER_MODULE].StructuredDecodingManager
-        replacements: list[tuple[type, str, Callable[[Any], Any]]] = [
-            (runner_cls, "sample_tokens", _sample_tokens),
-            (manager_cls, "prepare_structured_decoding_input", _prepare),
-            (manager_cls, "structured_decode_fn", _decode),
-        ]
-        missing = [name for owner, name, _ in replacements if not hasattr(owner, name)]
-        if missing:
-            logger.warning(
-                "portable_spec: tpu-inference %s has no %s: its own structured decoding is used",
-                version,
-                ", ".join(missing),
-            )
-            return False
-        for owner, name, make in replacements:
-            original = owner.__dict__[name]
-            _originals[(owner, name)] = original
-            setattr(owner, name, make(original))
-    logger.info(
-        "portable_spec: tpu-inference %s applies vLLM %s's grammar rows per logits row",
-        version,
-        vllm.__version__,
+def patch_set() -> PatchSet:
+    """tpu-inference's patch set: the three replacements, :data:`READS` recognised."""
+    return PatchSet(
+        "tpu-inference",
+        patches=[
+            Patch(SAMPLE_TOKENS, _sample_tokens),
+            Patch(PREPARE, _prepare),
+            Patch(DECODE, _decode),
+            *(Patch(target) for target in READS),
+        ],
+        revisions=REVISIONS,
+        version=lambda: version(),
+        logger=logger,
     )
-    return True
 
 
 def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -255,7 +132,6 @@ def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             manager._portable_spec_step = None
 
-    sample_tokens.__doc__ = original.__doc__
     return sample_tokens
 
 
@@ -265,12 +141,11 @@ def _prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> tuple[Any, None, None]:
         return prepare_rows(self, logits, grammar_output)
 
-    prepare_structured_decoding_input.__doc__ = prepare_rows.__doc__
     return prepare_structured_decoding_input
 
 
 def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    from portable_spec.integrations._tpu_apply import apply_flagged, apply_packed
+    from portable_spec.integrations.tpu_inference.apply import apply_flagged, apply_packed
 
     def structured_decode_fn(
         self: Any, packed_or_flags: Any, bits: Any, logits: Any, arange: Any = None
@@ -289,12 +164,6 @@ def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
     return structured_decode_fn
 
 
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
 def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, None, None]:
     """The patched ``prepare_structured_decoding_input``: this step's grammar rows, placed.
 
@@ -311,13 +180,14 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, N
     rows of the batch's requests in vLLM's order (the rows past them are never read). Does
     not block: one asynchronous upload, from a pooled host buffer that is reused only once
     nothing reads it. A structured request missing from the batch has its rows skipped (one
-    ``WARNING`` the first time; counted in :func:`integration_stats`).
+    ``WARNING`` the first time; counted in ``integration_stats()``).
 
     Raises:
         TypeError: a bitmask that is not an int32 numpy matrix.
         ValueError: logits wider than the bitmask covers, a step layout that is not known
             (speculative decoding without the step's metadata), or layouts that disagree
-            (see :func:`portable_spec.integrations._tpu_rows.map_rows`). Nothing is uploaded.
+            (see :func:`portable_spec.integrations.tpu_inference.rows.map_rows`). Nothing is
+            uploaded.
     """
     bitmask = grammar_output.grammar_bitmask
     if not isinstance(bitmask, np.ndarray) or bitmask.ndim != 2 or bitmask.dtype != np.int32:
@@ -345,16 +215,16 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, N
         num_logits,
     )
     if rows.skipped:
-        _stats["skipped_requests"] += len(rows.skipped)
-        _warn_once(
+        STATS.add("skipped_requests", len(rows.skipped))
+        once.warning(
             "skipped",
             "portable_spec: structured requests %s are not in tpu-inference's batch: their "
             "grammar rows are skipped (counted in integration_stats)",
             list(rows.skipped[:8]),
         )
     packed = _upload(manager, rows, bitmask, num_logits)
-    _stats["steps"] += 1
-    _stats["rows"] += rows.rows
+    STATS.add("steps")
+    STATS.add("rows", rows.rows)
     return packed, None, None
 
 
