@@ -334,6 +334,7 @@ info = tokenizer_info(load_vocab())
 V = info.vocab_size
 compiled = compile_sample(xgr.GrammarCompiler(info), "json_schema")
 NEW_ABI = getattr(native.native, "ABI_VERSION", 1) >= 2
+NAMES_ABI = getattr(native.native, "ABI_VERSION", 1) >= 4  # vLLM's names handed in
 
 def grammar_chain(n, seed=0):
     rng, m, out = random.Random(seed), xgr.GrammarMatcher(compiled), []
@@ -483,7 +484,8 @@ for _ in range(200):
     known = {id(grammar): (m, xgrammar_handle(m), words, np.zeros(0, np.int64), None)}
     buffer = np.zeros((4, words), np.int32)
     fn = native.vllm_chains if NEW_ABI else native.native.vllm_chains
-    fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
+    names = (("structured_output_request", "_grammar", "matcher"),) if NAMES_ABI else ()
+    fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64), *names)
 print("ok")
 """,
     "llguidance_inputs_rewritten_while_walked": """
@@ -538,7 +540,8 @@ def step():
         for rid in ids
     }
     fn = native.vllm_guidance
-    fn(requests, ids, spec, {GuidanceGrammar}, vllm_guidance._eos, buffer, 0)
+    fn(requests, ids, spec, {GuidanceGrammar}, vllm_guidance._eos, buffer, 0,
+       vllm_guidance._NAMES)
 def disturb():  # another thread rewriting the drafts while llguidance holds no GIL
     for tokens in list(spec.values()):
         tokens[:] = [-7] * 9

@@ -388,3 +388,43 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, wal
         after = _state(requests, vocab)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
+
+
+def test_the_compiled_reader_reads_the_names_it_is_handed(smollm2, monkeypatch):
+    """The compiled step reader knows no attribute name of vLLM's: objects of the same shape
+    under other names are read through the names handed in, with the same rows; vLLM's names
+    then find nothing there (declined), and names that are not a tuple of str are refused."""
+    vocab = smollm2
+    _walks(monkeypatch, True)
+    rng = random.Random("fast/names")
+    requests, spec, expected = _step(rng, vocab, 4, kinds=("valid", "refused"))
+    ids = list(requests)
+    manager = _manager(vocab.words)
+    plugin.build_or_none(manager, requests, ids, spec)  # learns the grammars
+    buffer = manager._grammar_bitmask.numpy()
+    wrappers = {XgrammarGrammar}
+
+    class Renamed:  # vLLM's wrapper under another name, its matcher too
+        def __init__(self, grammar):
+            self.engine_matcher = grammar.matcher
+
+    renamed = {}
+    for rid, request in requests.items():
+        grammar = request.structured_output_request.grammar
+        held = Renamed(grammar)
+        renamed[rid] = SimpleNamespace(state=SimpleNamespace(field=held))
+        # the facts the plugin learnt, for this object
+        monkeypatch.setitem(fast_path._known, id(held), fast_path._known[id(grammar)])
+    names = ("state", "field", "engine_matcher")
+    args = (ids, spec, fast_path._known, {Renamed}, buffer, 0, fast_path._NO_STOPS)
+    buffer[:] = 7
+    out, walked, _ = compiled.vllm_chains(renamed, *args, names)
+    assert walked[2] < 0  # nothing failed
+    np.testing.assert_array_equal(out, np.concatenate(expected))
+    buffer[:] = 7
+    assert compiled.vllm_chains(renamed, *args, fast_path._NAMES) is None
+    assert compiled.vllm_chains(requests, *args[:3], wrappers, *args[4:], names) is None
+    assert (buffer == 7).all()
+    for bad in (["state", "field", "engine_matcher"], ("state", "field"), ("a", "b", 3)):
+        with pytest.raises(TypeError, match="tuple of 3 str"):
+            compiled.vllm_chains(renamed, *args, bad)

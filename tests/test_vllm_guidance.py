@@ -306,3 +306,14 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     # its chain is cut short (it takes nothing), then the matcher is asked: declined
     assert guidance_path.guidance_rows(manager, requests, ids, spec, 0, buffer) is None
     assert _states({k: v for k, v in requests.items() if k != "r1"}) == [before[0], before[2]]
+
+
+def test_the_compiled_reader_takes_its_attribute_names_as_a_tuple_of_str(grammars):
+    if compiled.native is None:
+        pytest.skip("the compiled helper is not built")
+    buffer = np.zeros((4, WORDS), dtype=np.int32)
+    args = ({}, [], {}, set(), guidance_path._eos, buffer, 0)
+    assert compiled.vllm_guidance(*args, guidance_path._NAMES) is None  # an empty step
+    for bad in (list(guidance_path._NAMES), guidance_path._NAMES[:4], (*"abcd", 5)):
+        with pytest.raises(TypeError, match="tuple of 5 str"):
+            compiled.vllm_guidance(*args, bad)

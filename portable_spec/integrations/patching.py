@@ -388,7 +388,10 @@ class LogOnce:
         self._lock = threading.Lock()
 
     def first(self, key: str) -> bool:
-        """True the first time ``key`` is asked for (since the last :meth:`reset`)."""
+        """True the first time ``key`` is asked for (since the last :meth:`reset`). Takes no
+        lock once ``key`` was seen (a step's hot path may ask every time)."""
+        if key in self._seen:
+            return False
         with self._lock:
             if key in self._seen:
                 return False

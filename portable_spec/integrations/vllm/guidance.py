@@ -37,6 +37,7 @@ from portable_spec.pending import hold_matchers, release_matchers
 __all__ = ["guidance_rows"]
 
 _WRAPPER = internals.GUIDANCE_WRAPPER
+_NAMES = internals.GUIDANCE_NAMES  # what the compiled reader reads of vLLM's objects
 _wrapper_types: set[type] = set()
 _eos: dict[int, tuple[Any, int]] = {}  # id(LLTokenizer) -> (the tokenizer, its end token)
 
@@ -69,7 +70,7 @@ def guidance_rows(
     if not ids or internals.may_reason(manager):
         return None
     # the steady state: every wrapper class and tokenizer seen, read and written in one call
-    done = compiled.vllm_guidance(requests, ids, spec, _wrapper_types, _eos, buffer, stride)
+    done = compiled.vllm_guidance(requests, ids, spec, _wrapper_types, _eos, buffer, stride, _NAMES)
     if done is not None:
         return Rows(*done)
     limit = buffer.shape[1] * 32

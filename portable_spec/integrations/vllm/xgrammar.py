@@ -49,6 +49,7 @@ __all__ = ["fast_rows", "forget_grammars"]
 
 _NO_STOPS = np.zeros(0, dtype=np.int64)
 _NO_DRAFTS: list[int] = []  # never modified
+_NAMES = internals.XGRAMMAR_NAMES  # what the compiled reader reads of vLLM's objects
 _WRAPPER = internals.XGRAMMAR_WRAPPER
 _wrapper_types: set[type] = set()  # classes of that name seen (one type test per request)
 
@@ -105,7 +106,7 @@ def fast_rows(
     if direct:
         # the steady state: every request's facts known, read and walked in one compiled call
         step = compiled.vllm_chains(
-            requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS
+            requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS, _NAMES
         )
         if step is not None:
             out, (_, _, failed, message), drafts = step
