@@ -29,11 +29,17 @@ from portable_spec.engines.base import MatcherInfo
 from portable_spec.engines.generic import generic_info
 from portable_spec.engines.llguidance import check_llmatcher, is_llmatcher, probe_llguidance
 from portable_spec.engines.outlines import is_guide, probe_outlines
-from portable_spec.engines.xgrammar import probe_xgrammar
+from portable_spec.engines.xgrammar import probe_xgrammar, xgrammar_info
 from portable_spec.errors import MatcherError
 from portable_spec.masks import words_for
 
-__all__ = ["GrammarMatcherLike", "MatcherInfo", "classify_grammars"]
+__all__ = [
+    "GrammarMatcherLike",
+    "MatcherInfo",
+    "classify_grammars",
+    "known_xgrammar_facts",
+    "matcher_kind",
+]
 
 PROTOCOL_METHODS = ("accept_token", "rollback", "fill_next_token_bitmask", "is_terminated")
 
@@ -70,6 +76,31 @@ class GrammarMatcherLike(Protocol):
 
 
 _kind_by_type: dict[type, int] = {}
+
+
+def matcher_kind(matcher: Any) -> int:
+    """The engine kind of one entry of ``grammars`` (``NONE`` for ``None``; -1 for an object
+    no engine recognizes): the one look-up every route uses, cached by type."""
+    if matcher is None:
+        return NONE
+    kind = _kind_by_type.get(type(matcher))
+    return _kind_of_type(type(matcher)) if kind is None else kind
+
+
+def known_xgrammar_facts(grammars: Sequence[Any], words: int) -> list[MatcherInfo] | None:
+    """The facts of every entry of ``grammars`` when each is a plain xgrammar matcher the
+    library has already probed at ``words`` words per row (its first build did), in order;
+    ``None`` otherwise (then :func:`classify_grammars` checks and probes). Moves nothing,
+    raises nothing: what the small routes read instead of classifying."""
+    infos = []
+    for g in grammars:
+        if _kind_by_type.get(type(g)) != XGRAMMAR:
+            return None
+        info = xgrammar_info(g)
+        if info is None or info.words != words:
+            return None
+        infos.append(info)
+    return infos
 
 
 def _kind_of_type(cls: type) -> int:

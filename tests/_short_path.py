@@ -1,25 +1,36 @@
-"""Which of the builder's short paths took a call: the compiled call over the caller's arrays
-(``small.in_place``) or the Python walk of small chains (``small.small_chains``)."""
+"""Which row of the builder's route table built a call (``portable_spec.builder.routes``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import portable_spec.builder.small as small_module
+import portable_spec.builder.routes as routes
+
+
+def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
+    """Wrap every row of the route table; each call a row builds appends the row's name to
+    the returned list (a compiled row that declines appends nothing). ``compiled_only``:
+    record only the compiled rows (``chain lists``, ``one call``, ``small chains``)."""
+    taken: list[str] = []
+
+    def spying(route: routes.Route) -> routes.Route:
+        def build(call: Any) -> Any:
+            if not route.compiled:  # named before it builds: its own builds come after it
+                if not compiled_only:
+                    taken.append(route.name)
+                return route.build(call)
+            result = route.build(call)
+            if result is not None:
+                taken.append(route.name)
+            return result
+
+        return dataclasses.replace(route, build=build)
+
+    monkeypatch.setattr(routes, "ROUTES", tuple(spying(route) for route in routes.ROUTES))
+    return taken
 
 
 def spy_short_paths(monkeypatch: Any) -> list[str]:
-    """Wrap both short paths; each call that one of them takes appends its name to the
-    returned list (a path that declines appends nothing)."""
-    taken: list[str] = []
-    for name in ("in_place", "small_chains"):
-        real = getattr(small_module, name)
-
-        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            result = _real(*args)
-            if result is not None:
-                taken.append(_name)
-            return result
-
-        monkeypatch.setattr(small_module, name, spy)
-    return taken
+    """The compiled rows that took each call (see :func:`spy_routes`)."""
+    return spy_routes(monkeypatch, compiled_only=True)

@@ -16,7 +16,7 @@ from _oracle import (
 )
 
 import portable_spec as ps
-import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.routes as routes
 
 
 def token(vocab, text):
@@ -210,7 +210,7 @@ def test_wide_tree_1000_children(smollm2, person_tokens):
 def test_matcher_failure_mid_walk(smollm2, person_tokens, monkeypatch, fail_in, at_call, parallel):
     """A matcher raising inside accept/fill: MatcherError names the request, every matcher is
     restored (the failing one included), and the next build works."""
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", 0 if parallel else 10**9)
+    monkeypatch.setattr(routes, "POOL_WORK", 0 if parallel else 10**18)
     compiled = smollm2.grammars["json_schema"]
     chain = [0, *person_tokens[:8]]
     dt = np.array([chain] * 4)

@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder.jobs as jobs_module
-import portable_spec.builder.small as small_module
+import portable_spec.builder.routes as routes
 import portable_spec.topology as topology_module
 from portable_spec.stats import reset_grammar_stats
 
@@ -54,7 +53,7 @@ def test_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     matcher is back where it started."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     case = draw_case(data, vocab)
     before = _fingerprints(case, vocab)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
@@ -124,7 +123,7 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
     few requests, short chains): rows, valid flags, node counts against the replay oracle, an
     ``out=`` filled with garbage rewritten in full, matchers back where they started; and the
     call really took that path."""
-    case = draw_case(data, vocab, max_batch=small_module.SMALL_CHAIN_BATCH, max_nodes=9,
+    case = draw_case(data, vocab, max_batch=8, max_nodes=9,
                      protocol=False)  # fmt: skip
     batch, nodes = case.draft.shape
     case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
@@ -149,7 +148,7 @@ def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
     # every request has an xgrammar matcher as wide as the mask: the short path
     plain = all(m is not None for m in case.matchers) and words == vocab.words
     # the caller's int64 tokens, read in place by one compiled call
-    assert taken == (["in_place"] if plain else [])
+    assert taken == (["one call"] if plain else [])
     mask = result[0] if return_valid else result
     if all(m is None for m in case.matchers):
         assert mask is None

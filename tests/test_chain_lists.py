@@ -9,6 +9,7 @@ refused before any matcher moves.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -17,9 +18,8 @@ from _oracle import Request, expected_node_counts, expected_reasoning_mask, matc
 from test_xgrammar_ffi import _random_chain, _terminated_request
 
 import portable_spec as ps
+import portable_spec.builder.routes as routes
 import portable_spec.native as native_module
-from portable_spec import chains
-from portable_spec.builder import jobs
 from portable_spec.engines.xgrammar import chain_facts
 from portable_spec.stats import (
     get_slow_grammar_threshold,
@@ -86,16 +86,21 @@ def _probe(matchers, vocab):
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """How many calls the compiled path answered."""
+    """Whether the route table's ``chain lists`` row (one compiled call) answered, per call."""
     taken = []
-    original = chains._direct
 
-    def spy(*args):
-        done = original(*args)
-        taken.append(done is not None)
-        return done
+    def spying(route):
+        if route.name != "chain lists":
+            return route
 
-    monkeypatch.setattr(chains, "_direct", spy)
+        def build(call):
+            done = route.build(call)
+            taken.append(done is not None)
+            return done
+
+        return dataclasses.replace(route, build=build)
+
+    monkeypatch.setattr(routes, "ROUTES", tuple(spying(route) for route in routes.ROUTES))
     return taken
 
 
@@ -132,7 +137,7 @@ def test_rows_match_the_replay(smollm2, direct_calls, rows_per_request, reasonin
 
 def test_parts_on_the_pool_match_the_replay(smollm2, direct_calls, monkeypatch):
     """A batch large enough to be walked in parts on the pool: the same rows."""
-    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 1)
+    monkeypatch.setattr(routes, "ONE_THREAD_WORK", 1)
     ps.set_num_threads(2)
     rng = random.Random(5)
     requests, matchers, drafts, active = _case(rng, smollm2, 24, 3)

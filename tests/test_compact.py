@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.routes as routes
 import portable_spec.native as native_module
 import portable_spec.topology as topology_module
 from portable_spec.masks import compact_views, index_words
@@ -52,7 +52,7 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
     node counts equal, matchers restored; with max_rows, padding that applies to nothing."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     case = draw_case(data, vocab)
     before = _prints(case, vocab)
     tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
@@ -95,8 +95,10 @@ def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
 @given(data=st.data())
 def test_compact_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch):
     """Small batches of big trees are cut over threads: the same entries."""
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
+    split_nodes = data.draw(st.sampled_from([2, 8]))  # trees of at least this many nodes
+    monkeypatch.setattr(routes, "SPLIT_WORK", routes.work(split_nodes, vocab.words))
+    part_nodes = data.draw(st.sampled_from([1, 3]))  # subtrees of at least this many nodes
+    monkeypatch.setattr(routes, "SPLIT_PART_WORK", routes.work(part_nodes, vocab.words))
     ps.set_num_threads(data.draw(st.sampled_from([2, 4, 8]), label="threads"))
     try:
         case = draw_case(data, vocab, max_batch=2, max_nodes=40, protocol=False)

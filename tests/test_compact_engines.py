@@ -16,7 +16,7 @@ outlines_core = pytest.importorskip("outlines_core")
 from _engines import engine_factory, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
-import portable_spec.builder.jobs as jobs_module  # noqa: E402
+import portable_spec.builder.routes as routes  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
@@ -34,7 +34,7 @@ PROBE = [0, 1, 2, 100, 1000, 18, 107]
 @SETTINGS
 @given(data=st.data())
 def test_compact_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)
@@ -58,7 +58,7 @@ def test_compact_chains_match_oracle(smollm2, engines, executor_from, data, monk
     """Chains take llguidance's one-call executor fill (into a block of the group's own,
     then each request's live prefix is committed), or below ``executor_from`` requests its
     per-token chain loop."""
-    monkeypatch.setattr(jobs_module, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", executor_from)
+    monkeypatch.setattr(routes, "EXECUTOR_WORK", 1 if executor_from == 1 else 10**18)
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape

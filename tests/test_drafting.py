@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.drafting.levels as drafting_levels
+import portable_spec.builder.routes as routes
 from portable_spec.drafting import forced_tokens, graft_chain, links_from_parents
 from portable_spec.registry import backend_for
 
@@ -171,7 +171,7 @@ def test_levels_and_verify_mask_match_the_oracle(smollm2, protocol, data, monkey
     level's rows are the oracle's rows of its nodes, the verify mask of the whole tree and of
     a random ancestor-closed subtree equals the oracle's and build_grammar_vocab_mask's bit for
     bit, validity matches, and every matcher is untouched."""
-    monkeypatch.setattr(drafting_levels, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     case = draw_case(data, smollm2, protocol=protocol, max_nodes=16)
     words = smollm2.words
     before = matcher_prints(case.matchers, words, PROBE)

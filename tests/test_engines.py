@@ -22,7 +22,7 @@ outlines_core = pytest.importorskip("outlines_core")
 from _engines import engine_factory, fingerprint, matcher_prints  # noqa: E402
 
 import portable_spec as ps  # noqa: E402
-import portable_spec.builder.jobs as jobs_module  # noqa: E402
+import portable_spec.builder.routes as routes  # noqa: E402
 import portable_spec.topology as topology_module  # noqa: E402
 from portable_spec import testing as ge  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
@@ -33,7 +33,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 PROBE = [0, 1, 2, 100, 1000, 18, 107]
-_EXECUTOR_FROM = jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS
+_EXECUTOR_WORK = routes.EXECUTOR_WORK
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
     batch): bit-identical to the oracle, node counts equal, every matcher restored."""
     if path == "arrays":
         monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     make, kinds = engine_factory(smollm2, engines)
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
     before = matcher_prints(case.matchers, smollm2.words, PROBE)
@@ -75,7 +75,7 @@ def test_matches_oracle(smollm2, engines, path, builder_mode, data, monkeypatch)
 def test_chains_match_oracle(smollm2, engine, executor_from, data):
     """Chains (from_linear_chain) take llguidance's one-call chain fill (from
     ``executor_from`` requests on) or its per-token chain loop; same bits either way."""
-    jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS = executor_from
+    routes.EXECUTOR_WORK = 1 if executor_from == 1 else 10**18
     make, kinds = engine_factory(smollm2, (engine,))
     case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False, max_nodes=12)
     batch, nodes = case.draft.shape
@@ -87,7 +87,7 @@ def test_chains_match_oracle(smollm2, engine, executor_from, data):
     try:
         result = ps.build_host_bitmask(case.matchers, chain, case.vocab_size, return_valid=True)
     finally:
-        jobs_module.LLGUIDANCE_EXECUTOR_MIN_REQUESTS = _EXECUTOR_FROM
+        routes.EXECUTOR_WORK = _EXECUTOR_WORK
     mask, valid = result
     assert_mask_matches(case, smollm2.words, mask)
     arrays = (case.next_token, case.next_sibling, case.draft)
@@ -297,7 +297,7 @@ def test_llguidance_chain_row_equal_to_the_sentinel(smollm2, tok, monkeypatch):
     is still recognised as written (decided on a fork), and the mask is unchanged."""
     import portable_spec.engines.llguidance as engine
 
-    monkeypatch.setattr(jobs_module, "LLGUIDANCE_EXECUTOR_MIN_REQUESTS", 1)
+    monkeypatch.setattr(routes, "EXECUTOR_WORK", 1)
 
     text = tok.encode('{"name": "ab", "age": 4')
     dt = np.array([[0, *text]])

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_spec as ps
-import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.routes as routes
 from portable_spec.stats import reset_grammar_stats
 
 SETTINGS = settings(
@@ -124,7 +124,7 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
     helper, inline or on the pool: row ``offsets[b] + j`` equals the replay of request b's
     first j drafts, valid flags equal, the given ``out`` written in place, matchers
     restored."""
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     case, chains, tokens, offsets = _draw_packed(data, smollm2, engines)
     before = _prints(case.matchers, smollm2.words)
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
@@ -151,7 +151,7 @@ def test_matches_oracle(smollm2, engines, builder_mode, data, monkeypatch):
 def test_reasoning_matches_oracle(smollm2, engines, layout, builder_mode, data, monkeypatch):
     """reasoning= over packed chains (and linear chains of one length) equals the reasoning
     replay of each chain, inline or through the pool, matchers restored."""
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", data.draw(st.sampled_from([0, 48])))
+    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
     case, chains, tokens, offsets = _draw_packed(data, smollm2, engines, uniform=layout == "linear")
     seen = sorted({int(t) for c in chains for t in c[1:] if 0 <= t < smollm2.size})
     pool = [*seen, smollm2.eos, 0, 5]
@@ -466,7 +466,7 @@ def test_small_packed_calls_take_the_short_path(smollm2, data, monkeypatch):
     tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
     result = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out, return_valid=True)
     # the caller's int64 tokens, read in place by one compiled call
-    assert taken == (["in_place"] if plain else [])
+    assert taken == (["one call"] if plain else [])
     mask, valid = result
     if all(m is None for m in case.matchers):
         assert mask is None

@@ -11,7 +11,7 @@ import xgrammar as xgr
 from _oracle import Request, expected_mask
 
 import portable_spec as ps
-import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.routes as routes
 from portable_spec.hostbuffers import HostBufferPool
 from portable_spec.pool import WorkItemError, pool_stats, run_indexed
 
@@ -57,7 +57,7 @@ def test_run_indexed_reports_lowest_failing_index():
 
 def test_concurrent_builds_share_the_pool(smollm2, monkeypatch):
     """Two threads building different batches at once through the shared pool."""
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", 0)
+    monkeypatch.setattr(routes, "POOL_WORK", 0)
     ps.set_num_threads(3)
     compiled = smollm2.grammars["builtin_json"]
     rng = np.random.default_rng(0)
@@ -94,8 +94,8 @@ def test_concurrent_builds_share_the_pool(smollm2, monkeypatch):
 
 
 def test_pool_does_not_grow(smollm2, monkeypatch):
-    monkeypatch.setattr(jobs_module, "PARALLEL_MIN_NODES", 0)
-    monkeypatch.setattr(jobs_module, "CHAIN_TABLE_PARALLEL_ROWS", 0)  # chains in parts too
+    monkeypatch.setattr(routes, "POOL_WORK", 0)
+    monkeypatch.setattr(routes, "ONE_THREAD_WORK", 0)  # chains in parts too
     ps.set_num_threads(2)
     m = [xgr.GrammarMatcher(smollm2.grammars["regex"]) for _ in range(4)]
     tree = ps.GrammarTree.from_linear_chain(np.zeros((4, 3), dtype=np.int64))

@@ -85,8 +85,8 @@ def test_interpreter_exits_promptly_with_a_busy_pool():
     code = textwrap.dedent(
         """
         import threading, numpy as np, portable_spec as ps
-        import portable_spec.builder.jobs as b
-        b.PARALLEL_MIN_NODES = 0
+        import portable_spec.builder.routes as b
+        b.POOL_WORK = 0
         ps.set_num_threads(4)
 
         class M:

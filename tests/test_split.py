@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import portable_spec as ps
 import portable_spec.builder.jobs as jobs_module
+import portable_spec.builder.routes as routes
 from portable_spec.builder.split import plan_split
 
 
@@ -28,8 +29,10 @@ def many_threads():
 )
 @given(data=st.data())
 def test_split_walks_match_oracle(vocab, builder_mode, data, monkeypatch, many_threads):
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", data.draw(st.sampled_from([2, 8])))
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", data.draw(st.sampled_from([1, 3])))
+    split_nodes = data.draw(st.sampled_from([2, 8]))  # trees of at least this many nodes
+    monkeypatch.setattr(routes, "SPLIT_WORK", routes.work(split_nodes, vocab.words))
+    part_nodes = data.draw(st.sampled_from([1, 3]))  # subtrees of at least this many nodes
+    monkeypatch.setattr(routes, "SPLIT_PART_WORK", routes.work(part_nodes, vocab.words))
     ps.set_num_threads(data.draw(st.sampled_from([2, 3, 4, 8]), label="threads"))
     case = draw_case(data, vocab, max_batch=2, max_nodes=40, protocol=False)
     probe = [vocab.eos, 0, 1, 100]
@@ -75,8 +78,8 @@ def test_split_failure_restores_everything(smollm2, many_threads, monkeypatch):
     import xgrammar as xgr
 
     ps.set_num_threads(2)
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_NODES", 2)
-    monkeypatch.setattr(jobs_module, "SPLIT_MIN_PART", 2)
+    monkeypatch.setattr(routes, "SPLIT_WORK", routes.work(2, smollm2.words))
+    monkeypatch.setattr(routes, "SPLIT_PART_WORK", routes.work(2, smollm2.words))
     compiled = smollm2.grammars["builtin_json"]
     m = xgr.GrammarMatcher(compiled)
     tokens = [0] + [smollm2.tokens.index(t) for t in ["[", "1", ",", "2", ","] * 4]

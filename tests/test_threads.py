@@ -36,6 +36,7 @@ import xgrammar as xgr
 from _oracle import Request, expected_accepted, expected_rows, fill_row
 
 import portable_spec as ps
+import portable_spec.builder.routes as routes
 from portable_spec import native as native_module
 from portable_spec.engines import xgrammar as xgrammar_engine
 from portable_spec.engines.xgrammar import probe_xgrammar
@@ -275,9 +276,8 @@ def test_the_vllm_step_holds_what_it_read(smollm2):
 def test_chains_walked_in_parts_hold_their_matchers(smollm2, monkeypatch):
     """A batch big enough to be walked in parts on the pool: the matchers dropped by the
     caller between the pack and the parts' walks are still walked, rows as the oracle's."""
-    from portable_spec.builder import jobs
 
-    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 8)
+    monkeypatch.setattr(routes, "ONE_THREAD_WORK", routes.work(8, smollm2.words))
     pairs = [_grammar_chain(smollm2, 3, seed=40 + b) for b in range(6)]
     grammars = [_probed(smollm2, request) for request, _ in pairs]
 

@@ -29,7 +29,7 @@ from _oracle import (
 
 import portable_spec as ps
 import portable_spec.native as native_module
-from portable_spec.builder import small
+from portable_spec.builder import routes
 from portable_spec.engines.xgrammar import chain_facts, probe_xgrammar
 
 native = native_module.native
@@ -333,25 +333,15 @@ def test_an_unknown_signature_keeps_the_python_binding(smollm2, monkeypatch):
 @pytest.mark.parametrize("direct", [True, False])
 def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
     """The small-call path of build_host_bitmask: one helper call (``span_masks``) when every
-    matcher has a handle, else one binding call per request; the rows and valid flags are the
-    replay's."""
+    matcher has a handle, else request after request through xgrammar's binding (the table's
+    ``inline`` row); the rows and valid flags are the replay's."""
+    from _short_path import spy_routes
+
     if not direct:
         monkeypatch.setattr(native_module, "_bound_helper", [None])  # as if never bound
-    calls = {"one": 0, "each": 0}
+    taken = spy_routes(monkeypatch)
+    calls = {"one call": 0, "inline": 0}
     counted = dict(calls)
-    each, walk = small._walk_each, native_module.span_masks
-
-    def spy_one(*args):
-        done = walk(*args)
-        calls["one"] += done is not None
-        return done
-
-    def spy_each(*args):
-        calls["each"] += 1
-        return each(*args)
-
-    monkeypatch.setattr(native_module, "span_masks", spy_one)
-    monkeypatch.setattr(small, "_walk_each", spy_each)
     rng = random.Random(20)
     for _ in range(4):
         batch, k = rng.randrange(1, 5), rng.randrange(1, 5)
@@ -365,12 +355,12 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
             ps.build_host_bitmask(
                 [m], ps.GrammarTree.from_linear_chain(np.zeros((1, 1), np.int64)), smollm2.size
             )
-        before = dict(calls)  # the probing builds above take the general path
+        taken.clear()  # the probing builds above take the general path
         mask, valid = ps.build_host_bitmask(
             matchers, ps.GrammarTree.from_linear_chain(chains), smollm2.size, return_valid=True
         )
         for name in calls:
-            counted[name] += calls[name] - before[name]
+            counted[name] += taken.count(name)
         nt, ns = _links(k + 1)
         for b, (request, _) in enumerate(pairs):
             dt = chains[b].tolist()
@@ -381,7 +371,7 @@ def test_small_builds_take_one_call_or_walk_each(smollm2, monkeypatch, direct):
             assert valid[b].tolist() == expected_accepted(
                 request.fresh, nt.tolist(), ns.tolist(), dt, smollm2.size, smollm2.words
             )
-    assert counted == ({"one": 4, "each": 0} if direct else {"one": 0, "each": 4})
+    assert counted == ({"one call": 4, "inline": 0} if direct else {"one call": 0, "inline": 4})
 
 
 @compiled_only
@@ -479,7 +469,8 @@ def test_large_chain_batches_are_walked_in_parts_on_the_pool(smollm2, monkeypatc
         return parts[-1]
 
     monkeypatch.setattr(jobs, "_balanced_cuts", spy)
-    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 48)  # parts at this small size
+    parts_from = routes.work(48, smollm2.words)  # parts at this small size
+    monkeypatch.setattr(routes, "ONE_THREAD_WORK", parts_from)
     rng = random.Random(30)
     k = 4
     pairs = [_random_chain(rng, smollm2, k) for _ in range(24)]
@@ -501,7 +492,7 @@ def test_large_chain_batches_are_walked_in_parts_on_the_pool(smollm2, monkeypatc
         )
     finally:
         ps.set_num_threads(previous)
-    assert len(chains) * (k + 1) >= jobs.CHAIN_TABLE_PARALLEL_ROWS
+    assert routes.work(len(chains) * (k + 1), smollm2.words) >= parts_from
     assert len(parts) == 1 and len(parts[0]) == 3 and parts[0][0] == 0 and parts[0][-1] == 24
     nt, ns = _links(k + 1)
     for b, (request, _) in enumerate(pairs):
@@ -522,8 +513,6 @@ def test_a_refusal_in_a_later_part_names_its_request(smollm2, monkeypatch):
     first live chain in the second part names that chain."""
     from portable_spec.builder import jobs
 
-    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 48)  # parts at this small size
-
     matchers = [xgr.GrammarMatcher(smollm2.grammars["json_schema"]) for _ in range(12)]
     for m in matchers:  # facts that give a width xgrammar refuses (as if the table lied)
         probe_xgrammar(m, smollm2.words)
@@ -539,7 +528,7 @@ def test_a_refusal_in_a_later_part_names_its_request(smollm2, monkeypatch):
         with pytest.raises(ps.MatcherError) as raised:
             jobs.walk_chain_table(
                 rows, tokens, table, [None] * 6 + matchers[6:], smollm2.size,
-                np.zeros(0, np.int64), None, 12 * n,
+                np.zeros(0, np.int64), None, 2,
             )  # fmt: skip
     finally:
         ps.set_num_threads(previous)
@@ -578,8 +567,6 @@ def test_trees_walked_by_one_call_match_the_oracle(smollm2, monkeypatch, parts):
     from _cases import matrix_case
     from _oracle import expected_valid
 
-    from portable_spec.builder import jobs
-
     requests, nt, ns, dt, _ = matrix_case(smollm2, 8, 6)
     requests[3] = _terminated_request(smollm2)
     matchers = [None if r is None else r.native() for r in requests]
@@ -593,7 +580,7 @@ def test_trees_walked_by_one_call_match_the_oracle(smollm2, monkeypatch, parts):
         return walk(*args)
 
     monkeypatch.setattr(native_module, "walk_trees", spy)
-    monkeypatch.setattr(jobs, "CHAIN_TABLE_PARALLEL_ROWS", 1 if parts == 2 else 10**9)
+    monkeypatch.setattr(routes, "ONE_THREAD_WORK", 1 if parts == 2 else 10**18)
     previous = ps.get_num_threads()
     ps.set_num_threads(2)
     probes = list(range(0, smollm2.size, 1013))

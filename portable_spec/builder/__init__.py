@@ -2,38 +2,25 @@
 
 Data flow of one build::
 
-    check               every argument, before any matcher moves (this module)
+    route table         routes.py: the first row that applies builds; the compiled rows
+                        (small.py, small_llguidance.py, lists.py) check everything themselves
+    check               every argument, before any matcher moves; the kinds looked up once;
+                        the matchers held once (routes.py)
     tree.resolve()      host int64 links and tokens (waits for the staged copy only), once
     tree.validate()     the links, once
-    dispatch            dense (dense.py), compact (compact.py), or reasoning (reasoning.py)
-    jobs                one planner over a row sink, run on the thread pool (jobs.py)
+    build               the row's: the walk table or inline (dense.py), compact (compact.py),
+                        reasoning (reasoning.py), the planner (dense.py over jobs.py)
 
 The result obeys the row contract documented on :func:`build_host_bitmask`. The modules
-below this one never import it: the reasoning build receives it as a callable.
+below this one never import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from time import perf_counter
 from typing import Any
 
-import numpy as np
-
-from portable_spec.builder import small, small_llguidance
-from portable_spec.builder.compact import build_compact
-from portable_spec.builder.dense import build_dense
-from portable_spec.builder.jobs import Build, per_node
-from portable_spec.builder.reasoning import build_with_reasoning, check_reasoning
-from portable_spec.grammars import LLGUIDANCE, NONE, _kind_by_type, classify_grammars
-from portable_spec.masks import (
-    check_compact_out,
-    check_dense_out,
-    check_layout,
-    check_vocab_size,
-    words_for,
-)
-from portable_spec.pending import hold_matchers, release_matchers
+from portable_spec.builder import routes
 from portable_spec.tree import GrammarTree
 
 __all__ = ["build_host_bitmask"]
@@ -109,103 +96,5 @@ def build_host_bitmask(
     """
     if type(tree) is not GrammarTree and not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
-    if reasoning is None and layout == "dense" and max_rows is None:
-        # the common small call: one compiled call over the caller's arrays, else small chains
-        # in Python (see small.py); None from either when anything is unusual
-        done = None
-        if tree._inplace is not None:
-            llg = type(grammars) in (list, tuple) and grammars and _llguidance(grammars[0])
-            quick = small_llguidance.in_place if llg else small.in_place
-            done = quick(grammars, tree, vocab_size, out, return_valid)
-        if done is None and (tree._chain or tree._packed):
-            done = small.small_chains(grammars, tree, vocab_size, out, return_valid)
-        if done is not None:
-            return done
-    vocab_size = check_vocab_size(vocab_size)
-    max_rows = check_layout(layout, max_rows)
-    batch = tree.batch
-    if tree.is_packed and layout != "dense":
-        raise ValueError(
-            "packed chains (GrammarTree.from_packed_chains) build dense masks only; "
-            "use layout='dense'"
-        )
-    words = words_for(vocab_size)
-    thinking: list[int] = []
-    if reasoning is not None:
-        if layout != "dense":
-            raise ValueError("reasoning= builds dense masks only; use layout='dense'")
-        if out is not None:
-            check_dense_out(out, tree.rows, words)
-        checked = check_reasoning(reasoning, batch, vocab_size)
-        thinking = [b for b in range(batch) if checked.active[b] and grammars[b] is not None]
-    if type(grammars) is list or type(grammars) is tuple:
-        # read once: another thread changing the caller's list meanwhile changes nothing
-        grammars = list(grammars)
-    kinds, infos = classify_grammars(grammars, batch, vocab_size)
-    if thinking:  # every check before any matcher moves: the grammars, then the links
-        arrays = tree.resolve()
-        tree.validate()
-        return build_with_reasoning(
-            build_host_bitmask, grammars, tree, arrays, vocab_size, words, checked, thinking,
-            out, return_valid,
-        )  # fmt: skip
-    constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
-    if not constrained:
-        if return_valid:
-            tree.validate()
-            return None, per_node(tree, tree.topology().reachable)
-        return None
-    # the matchers this build walks, held until it is done (ValueError if another build holds
-    # one: it would walk them at the same time)
-    grammars = list(grammars)
-    token, held = hold_matchers(grammars)
-    try:
-        return _build_held(
-            grammars, tree, vocab_size, out, layout, max_rows, return_valid, kinds, infos,
-            constrained, words,
-        )  # fmt: skip
-    finally:
-        release_matchers(token, held)
-
-
-def _llguidance(g: Any) -> bool:
-    """Whether ``g`` is a matcher whose type the library knows as llguidance's."""
-    return _kind_by_type.get(type(g)) == LLGUIDANCE
-
-
-def _build_held(
-    grammars: list[Any],
-    tree: GrammarTree,
-    vocab_size: int,
-    out: Any,
-    layout: str,
-    max_rows: int | None,
-    return_valid: bool,
-    kinds: list[int],
-    infos: list[Any],
-    constrained: list[int],
-    words: int,
-) -> Any:
-    """The rest of :func:`build_host_bitmask` once its arguments are checked and its
-    matchers held."""
-    if layout == "compact":
-        capacity = len(constrained) * tree.nodes if max_rows is None else max_rows
-        target = None if out is None else check_compact_out(out, capacity, words)
-    else:
-        rows = tree.rows
-        mask = (
-            check_dense_out(out, rows, words)
-            if out is not None
-            else np.empty((rows, words), np.int32)
-        )
-    started = perf_counter()
-    arrays = tree.resolve()
-    resolved = perf_counter()
-    tree.validate()
-    build = Build(
-        grammars, tree, arrays, tree.spans(), vocab_size, kinds, infos, constrained,
-        return_valid, (started, resolved),
-    )  # fmt: skip
-    if layout == "compact":
-        return build_compact(build, target, max_rows)
-    return build_dense(build, mask)
+    call = routes.Call(grammars, tree, vocab_size, out, layout, max_rows, reasoning, return_valid)
+    return routes.build(call)

@@ -39,23 +39,19 @@ from portable_spec.errors import MatcherError
 from portable_spec.grammars import NONE, XGRAMMAR
 from portable_spec.masks import ALL_ALLOWED
 
-__all__ = ["build_dense"]
+__all__ = ["build_dense", "build_inline", "build_table", "walk_table"]
 
 
 def build_dense(build: Build, mask: np.ndarray) -> Any:
-    """The dense layout of :func:`portable_spec.build_host_bitmask`, called by it once every
-    argument is checked, the tree resolved and validated (``build``), and at least one
-    request is constrained.
+    """The dense layout of :func:`portable_spec.build_host_bitmask` by the planner (one job
+    per request, or per subtree, on the pool as ``build.plan`` says), once every argument is
+    checked, the tree resolved and validated (``build``), the matchers held, and at least
+    one request is constrained. Any mix of grammar engines.
 
     Writes every row of ``mask`` (int32 ``[rows, words]``, C-contiguous) and returns it, or
     ``(mask, valid)`` with ``build.return_valid`` (bool ``[batch, nodes]``; ``[rows]`` for
     packed chains). Blocks until every row is written; every matcher ends where it started.
     """
-    table = _chain_table(build, mask.shape[1])
-    if table is not None:
-        return _build_chain_table(build, mask, table)
-    if _inline(build):
-        return _build_inline(build, mask)
     tree, kinds = build.tree, build.kinds
     batch, nodes, rows = tree.batch, tree.nodes, tree.rows
     chains = tree.is_chain or tree.is_packed
@@ -259,26 +255,20 @@ def _accept_walked(
     accepted[[spans[b][0] for b in requests]] = True  # the roots
 
 
-def _chain_table(build: Build, words: int) -> np.ndarray | None:
-    """The :func:`jobs.walk_chain_table` table of a build whose every constrained request is
-    an xgrammar matcher the compiled helper can call, of the mask's width, with the same stop
-    tokens; ``None`` for any other build (and for trees or chains big enough for the planner
-    to split them over threads). Chains and trees alike: a tree's links are read from the
-    resolved arrays, its row ``b * nodes``; the matchers are ``build.grammars``."""
-    tree = build.tree
-    if tree.nodes >= jobs.SPLIT_MIN_NODES or not build.constrained:
-        return None
-    if jobs.walkable(build.infos, words) is None:  # infos: None for unconstrained requests
-        return None
-    nodes = tree.nodes
+def walk_table(build: Build) -> np.ndarray:
+    """The :func:`jobs.walk_chain_table` table of a build (chains and trees alike: per
+    request its first row, its first node ``b * nodes`` in the resolved arrays, its nodes)."""
+    nodes = build.tree.nodes
     table = [(start, b * nodes, n) for b, (start, n) in enumerate(build.spans)]
     return np.array(table, dtype=np.int64)
 
 
-def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any:
-    """The dense build of chains or trees the compiled helper walks itself, in one call or in
-    parts on the pool (:func:`jobs.walk_chain_table`). Same result and accounting as the
-    general path."""
+def build_table(build: Build, mask: np.ndarray, parts: int) -> Any:
+    """The dense build of chains or trees whose every constrained matcher the compiled
+    helper walks itself (:func:`jobs.walkable` of ``build.infos``), in one call on the calling
+    thread or in ``parts`` parts on the pool (:func:`jobs.walk_chain_table`); the matchers
+    held by the caller. Same result and accounting as :func:`build_dense`."""
+    table = walk_table(build)
     tree = build.tree
     chains = tree.is_chain or tree.is_packed
     accepted = np.empty(tree.rows, dtype=bool) if build.return_valid else None
@@ -288,9 +278,8 @@ def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any
     links = None if chains else (next_token.reshape(-1), next_sibling.reshape(-1))
     stop_ids = info.stop_ids  # type: ignore[union-attr]
     checked, rejected, walks = jobs.walk_chain_table(
-        mask, draft.reshape(-1), table, build.grammars, limit, stop_ids, accepted, tree.rows,
-        links,
-    )  # fmt: skip
+        mask, draft.reshape(-1), table, build.grammars, limit, stop_ids, accepted, parts, links
+    )
     if accepted is not None:
         reachable = None if chains else tree.topology().reachable
         for b, kind in enumerate(build.kinds):
@@ -304,28 +293,12 @@ def _build_chain_table(build: Build, mask: np.ndarray, table: np.ndarray) -> Any
     return jobs.settle(build.tree, build.times, mask, accepted, walked, checked, rejected)
 
 
-def _inline(build: Build) -> bool:
-    """Whether a build is small and simple enough for :func:`_build_inline`: few rows or
-    short chains (no pool), no tree big enough to split, xgrammar requests only (and
-    unconstrained ones, on chains when the valid flags are asked for)."""
-    tree = build.tree
-    if tree.nodes >= jobs.SPLIT_MIN_NODES:
-        return False
-    chains = tree.is_chain or tree.is_packed
-    limit = jobs.PARALLEL_MIN_NODES
-    if chains and tree.nodes <= jobs.INLINE_CHAIN_NODES:
-        limit *= jobs.SHORT_CHAIN_FACTOR
-    if len(build.constrained) * tree.nodes >= limit:
-        return False
-    allowed = (XGRAMMAR, NONE) if chains or not build.return_valid else (XGRAMMAR,)
-    return set(build.kinds).issubset(allowed)
-
-
-def _build_inline(build: Build, mask: np.ndarray) -> Any:
-    """The build of a small batch of xgrammar requests on the calling thread, request after
-    request: the C++ traversal, then the repair writing the counts and valid flags (both
-    release the GIL with the compiled helper); no job objects, no pool, no pass over the mask
-    afterwards. Same result, checks and accounting as the general path."""
+def build_inline(build: Build, mask: np.ndarray) -> Any:
+    """The build of a small batch of xgrammar requests (and unconstrained ones) on the
+    calling thread, request after request: the C++ traversal, then the repair writing the
+    counts and valid flags (both release the GIL with the compiled helper); no job objects,
+    no pool, no pass over the mask afterwards. The matchers held by the caller. Same result
+    and accounting as :func:`build_dense`."""
     grammars, tree, infos, spans = build.grammars, build.tree, build.infos, build.spans
     next_token, next_sibling, draft = build.arrays
     vocab_size = build.vocab_size

@@ -34,12 +34,8 @@ from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
 
 __all__ = [
-    "INLINE_CHAIN_NODES",
-    "PARALLEL_MIN_NODES",
-    "SHORT_CHAIN_FACTOR",
-    "SPLIT_MIN_NODES",
-    "SPLIT_MIN_PART",
     "Build",
+    "Plan",
     "RowSink",
     "accepted_below",
     "account",
@@ -55,34 +51,6 @@ Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 #: one request's Python walk, bound to its matcher and links: rows -> (filled, checked, refused)
 Walk = Callable[[np.ndarray], tuple[list[bool], int, int]]
 Job = Callable[[], None]
-
-# Below this many nodes with a grammar, waking pool workers costs more than it saves.
-PARALLEL_MIN_NODES = 48
-# With fewer requests than threads, trees of at least this many nodes are cut into subtrees
-# of at least SPLIT_MIN_PART nodes walked in parallel on forks of the matcher. Forks, path
-# replays and waking a worker cost tens of microseconds, so only big trees gain.
-SPLIT_MIN_NODES = 256
-SPLIT_MIN_PART = 16
-# Chains that the compiled helper cannot walk itself (walk_chain_table) stay on the calling
-# thread, up to INLINE_CHAIN_NODES nodes per request, for up to SHORT_CHAIN_FACTOR times more
-# rows: each request's work between two GIL hand-offs (its K + 1 rows) is too short for a
-# second thread to gain (measured with 1 to 8 drafts, batch 8 to 256: the pool was slower in
-# every configuration).
-INLINE_CHAIN_NODES = 9
-SHORT_CHAIN_FACTOR = 64
-# Chains the compiled helper walks itself (walk_chain_table): from this many rows on, the
-# batch is cut into parts walked on the pool at once (GIL released in every part). Below it
-# one part on the calling thread is faster with cold caches, as inside an engine's step
-# (2 cores, SmolLM2's JSON schema: 96 rows 424 against 703 µs in two parts, 320 rows 1.26
-# against 1.39 ms; from 512 rows on the parts win, 2.42 against 2.53 ms, 1,280 rows 4.53
-# against 4.98).
-CHAIN_TABLE_PARALLEL_ROWS = 512
-# llguidance chains: from this many requests on, one call of llguidance's parallel executor;
-# below, each chain in a plain per-token loop on the calling thread (the executor's
-# hand-off and the pass that tells which rows it wrote cost more: 16-node chains of the JSON
-# schema, 86 against 215 µs at batch 1, 408 against 597 at 8, even at 32, 4.6 against 4.8 ms
-# at 64).
-LLGUIDANCE_EXECUTOR_MIN_REQUESTS = 32
 
 _PYTHON_WALKS = {GENERIC: walk_generic, LLGUIDANCE: walk_llguidance, OUTLINES: walk_outlines}
 
@@ -139,6 +107,25 @@ class RowSink(Protocol):
         ...
 
 
+class Plan(NamedTuple):
+    """How the planner runs one build's jobs: decided by the route table
+    (:mod:`portable_spec.builder.routes`, which holds every threshold), obeyed here.
+
+    Attributes:
+        parallel: run the jobs on the pool (else one after the other on the calling thread).
+        split_nodes: with fewer constrained requests than threads, xgrammar trees of at least
+            this many nodes are cut into subtrees walked on forks (0: never).
+        split_part: the fewest nodes of a cut subtree.
+        executor: llguidance chains in one call of llguidance's parallel executor per width
+            (else walked in one compiled call, or each in a job).
+    """
+
+    parallel: bool
+    split_nodes: int
+    split_part: int
+    executor: bool
+
+
 class Build(NamedTuple):
     """One build's inputs once the front has checked them all, resolved and validated the
     tree: what every layout's build starts from.
@@ -152,6 +139,7 @@ class Build(NamedTuple):
         constrained: the requests with a grammar (at least one).
         return_valid: whether the valid flags are asked for.
         times: ``(started, resolved)`` perf_counter seconds, for the statistics.
+        plan: how the planner runs the jobs (the route table's decision).
     """
 
     grammars: Sequence[Any]
@@ -164,6 +152,7 @@ class Build(NamedTuple):
     constrained: list[int]
     return_valid: bool
     times: tuple[float, float]
+    plan: Plan
 
 
 def run_build(sink: RowSink, build: Build) -> tuple[list[int], list[float], np.ndarray]:
@@ -209,9 +198,8 @@ def plan_jobs(
     jobs: list[Job] = []
     owners: list[int] = []
     walks: list[tuple[int, Job]] = []  # Python walks: they hold the GIL
-    constrained_rows = 0
     llguidance = [b for b, kind in enumerate(kinds) if kind == LLGUIDANCE]
-    grouped = chains and len(llguidance) >= LLGUIDANCE_EXECUTOR_MIN_REQUESTS
+    grouped = chains and build.plan.executor
     if grouped and llguidance:  # llguidance's executor fills chains in parallel itself
         for width in sorted({infos[b].words for b in llguidance}):  # type: ignore[union-attr]
             group = {b: grammars[b] for b in llguidance if infos[b].words == width}  # type: ignore[union-attr]
@@ -231,7 +219,6 @@ def plan_jobs(
                 jobs.append(job)
                 owners.append(b)
             continue
-        constrained_rows += n
         if kind == LLGUIDANCE and grouped:
             continue
         info: MatcherInfo = infos[b]  # type: ignore[assignment]
@@ -264,8 +251,7 @@ def plan_jobs(
     if walks:  # one job: on other threads they would only take turns holding the GIL
         jobs.append(partial(_walk_requests, walks))
         owners.append(walks[0][0])
-    parallel = bool(splits) or constrained_rows >= PARALLEL_MIN_NODES
-    return jobs, owners, parallel
+    return jobs, owners, bool(splits) or build.plan.parallel
 
 
 def plan_splits(build: Build) -> dict[int, tuple[Split, list[Any]]]:
@@ -275,8 +261,8 @@ def plan_splits(build: Build) -> dict[int, tuple[Split, list[Any]]]:
     split and one fork of the matcher per subtree, taken now, before any walk moves the
     matcher. Packed chains are never split.
     """
-    tree, constrained = build.tree, build.constrained
-    if tree.is_packed or tree.nodes < SPLIT_MIN_NODES:
+    tree, constrained, plan = build.tree, build.constrained, build.plan
+    if tree.is_packed or not plan.split_nodes or tree.nodes < plan.split_nodes:
         return {}
     threads = get_num_threads()
     if threads < 2 or len(constrained) >= threads:
@@ -290,7 +276,7 @@ def plan_splits(build: Build) -> dict[int, tuple[Split, list[Any]]]:
         if build.kinds[b] != XGRAMMAR:
             continue
         nt, ns, dt = next_token[b].tolist(), next_sibling[b].tolist(), draft[b].tolist()
-        split = plan_split(nt, ns, dt, parts, SPLIT_MIN_PART)
+        split = plan_split(nt, ns, dt, parts, plan.split_part)
         if split is not None:
             plans[b] = (split, [build.grammars[b].fork() for _ in split.subtrees])
     return plans
@@ -538,7 +524,7 @@ def walk_chain_table(
     limit: int,
     stop_ids: np.ndarray,
     valid: np.ndarray | None,
-    rows: int,
+    parts: int,
     links: tuple[np.ndarray, np.ndarray] | None = None,
     hold: bool = False,
 ) -> tuple[int, int, list[tuple[int, float]]]:
@@ -549,9 +535,10 @@ def walk_chain_table(
     ``table``: int64 ``[chains, 3]``, per chain its first row in ``mask`` (int32 ``[rows,
     words]``), its first token in ``tokens`` (int64, root first) and its length; ``matchers``
     its matcher (``None``: all-allowed rows), each one :func:`walkable` accepts; ``rows`` the
-    sum of the lengths. ``links``: ``(next_token, next_sibling)``, int64 like ``tokens``, each
-    tree's links local to it. With :data:`CHAIN_TABLE_PARALLEL_ROWS` rows or more and more
-    than one library thread, the chains are cut into parts walked on the pool at once.
+    ``links``: ``(next_token, next_sibling)``, int64 like ``tokens``, each tree's links local
+    to it. ``parts`` (the route table's choice, at most the library's threads): with more than
+    one, the chains are cut into that many runs of about as many rows, walked on the pool at
+    once.
     ``valid`` (bool ``[rows]``) gets the accepted nodes. ``hold``: the matchers are held by
     each part while it walks (``ValueError`` when another build holds one); without it the
     caller holds them. Returns ``(checked, refused, walks)``, ``walks`` the ``(chain index,
@@ -566,10 +553,8 @@ def walk_chain_table(
     else:
         walk = partial(native.walk_trees, mask, links[0], links[1], tokens)
         tail = (valid,)
-    parts = 1
-    if rows >= CHAIN_TABLE_PARALLEL_ROWS and chains > 1:
-        parts = min(get_num_threads(), chains)
-    if parts == 1:  # the common small call: no pool, no closure
+    parts = min(parts, chains)
+    if parts <= 1:  # the common small call: no pool, no closure
         checked, refused = _walked(walk(table, matchers, limit, stop_ids, *tail, seconds, hold), 0)
         return checked, refused, list(enumerate(seconds.tolist()))
     bounds = _balanced_cuts(table[:, 2], parts)

@@ -24,7 +24,7 @@ Every check runs before any matcher moves; matchers end where they started.
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from time import perf_counter
@@ -34,8 +34,8 @@ import numpy as np
 
 from portable_spec.builder import jobs
 from portable_spec.engines.base import IdentityCache
-from portable_spec.engines.xgrammar import xgrammar_info
 from portable_spec.errors import MatcherError
+from portable_spec.grammars import known_xgrammar_facts
 from portable_spec.masks import ALL_ALLOWED
 from portable_spec.stats import record_build
 from portable_spec.tree import GrammarTree
@@ -168,18 +168,21 @@ def build_with_reasoning(
     checked: _Checked,
     reasoning_requests: list[int],
     out: np.ndarray | None,
-    return_valid: bool = False,
+    return_valid: bool,
+    parts_for: Callable[[int], int],
 ) -> Any:
     """:func:`portable_spec.build_host_bitmask` with a :class:`Reasoning` rule (``build`` is
-    that function, called without one), once every argument is checked (``checked``: the
-    rule, from :func:`check_reasoning`; ``reasoning_requests``: the constrained requests
-    still reasoning, at least one), the tree resolved (``arrays``) and validated. Same
-    result and guarantees as that function."""
+    that function without one, over matchers the caller already holds), once every argument
+    is checked (``checked``: the rule, from :func:`check_reasoning`; ``reasoning_requests``:
+    the constrained requests still reasoning, at least one), the tree resolved (``arrays``)
+    and validated, the matchers held. ``parts_for(rows)``: how many parts the compiled
+    chain walker cuts that many rows into (the route table's choice). Same result and
+    guarantees as that function."""
     next_token, next_sibling, draft = arrays
     if tree.is_chain or tree.is_packed:
         return _chains_with_reasoning(
             build, grammars, tree, draft, vocab_size, words, checked, reasoning_requests, out,
-            return_valid,
+            return_valid, parts_for,
         )  # fmt: skip
 
     rest = [None if b in reasoning_requests else g for b, g in enumerate(grammars)]
@@ -215,6 +218,7 @@ def _chains_with_reasoning(
     thinking: list[int],
     out: np.ndarray | None,
     return_valid: bool,
+    parts_for: Callable[[int], int],
 ) -> Any:
     """The reasoning rule on chains (linear or packed) in one build: each reasoning request's
     free-text rows are written while its chain reasons; where an end token ends the reasoning,
@@ -253,7 +257,7 @@ def _chains_with_reasoning(
         starts.append(start + head)
         owners.append(b)
     if owners and not _walk_directly(
-        grammars, owners, flat, lengths, starts, mask, valid, vocab_size, words
+        grammars, owners, flat, lengths, starts, mask, valid, vocab_size, words, parts_for
     ):
         placed = GrammarTree._placed_chains(np.array(flat, dtype=np.int64), lengths, starts, rows)
         try:
@@ -282,14 +286,16 @@ def _walk_directly(
     valid: np.ndarray,
     vocab_size: int,
     words: int,
+    parts_for: Callable[[int], int],
 ) -> bool:
     """The grammar chains of :func:`_chains_with_reasoning` (chain ``i`` of request
     ``owners[i]``: ``lengths[i]`` tokens of ``flat``, rows from ``starts[i]``) walked and
-    repaired by the compiled helper's chain walker, valid flags written, when every matcher
-    is an xgrammar matcher it can call, of the mask's width, with the same stop tokens
-    (already probed by the front). False (nothing moved) otherwise: the caller builds them."""
-    infos = [xgrammar_info(grammars[b]) for b in owners]
-    first = None if any(i is None for i in infos) else jobs.walkable(infos, words)
+    repaired by the compiled helper's chain walker (in ``parts_for(rows)`` parts), valid flags
+    written, when every matcher is an xgrammar matcher it can call, of the mask's width, with
+    the same stop tokens (already probed by the front, held by the caller). False (nothing
+    moved) otherwise: the caller builds them."""
+    infos = known_xgrammar_facts([grammars[b] for b in owners], words)
+    first = None if infos is None else jobs.walkable(infos, words)
     if first is None:
         return False
     table = []
@@ -307,8 +313,7 @@ def _walk_directly(
             min(vocab_size, first.vocab_size),
             first.stop_ids,
             valid,
-            position,
-            hold=True,
+            parts_for(position),
         )
     except MatcherError as exc:
         raise MatcherError(owners[exc.request_index], exc.error) from exc.error

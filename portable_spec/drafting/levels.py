@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.builder.jobs import PARALLEL_MIN_NODES
+from portable_spec.builder.routes import pool_worthy
 from portable_spec.engines.base import MatcherInfo, NodeStates
 from portable_spec.engines.generic import generic_states
 from portable_spec.engines.llguidance import LLGuidanceStates
@@ -121,7 +121,7 @@ def run_states(
                     raise MatcherError(b, exc) from exc
 
         jobs.append((serial[0][0], run_serial))
-    parallel = len(constrained) * k >= PARALLEL_MIN_NODES
+    parallel = pool_worthy(len(constrained) * k, rows.shape[-1])
     try:
         run_indexed(lambda i: jobs[i][1](), len(jobs), parallel=parallel and len(jobs) > 1)
     except WorkItemError as exc:

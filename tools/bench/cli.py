@@ -59,10 +59,13 @@ def _names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def _vocabs(text: str) -> tuple[str, ...]:
+    from tools.bench.workloads import VOCABS
+
     values = tuple(v.strip() for v in text.split(",") if v.strip())
-    if not values or any(v != "smollm2" and not (v.isdigit() and int(v) >= 256) for v in values):
+    if not values or any(v not in VOCABS and not (v.isdigit() and int(v) >= 256) for v in values):
         raise argparse.ArgumentTypeError(
-            f"expected smollm2 and/or vocabulary sizes of at least 256, got {text!r}"
+            f"expected a subset of {','.join(VOCABS)} and/or vocabulary sizes of at least 256, "
+            f"got {text!r}"
         )
     return values
 
@@ -85,6 +88,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=_names(SECTIONS),
         default=DEFAULT_SECTIONS,
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=_vocabs,
+        help="vocabularies of the build, chains, percall and layout sections: smollm2 (49152), "
+        "tekken (131072), qwen (151936) and/or sizes of synthetic ones (full: all three named)",
     )
     p.add_argument("--batch", type=_ints, help="build batch sizes (full: 1,8,64,256)")
     p.add_argument("--nodes", type=_ints, help="build nodes per request (full: 16,64)")
@@ -145,8 +154,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--layout-vocab",
         type=_vocabs,
-        help="vocabularies of the layout and async sections: smollm2 and/or token counts of "
-        "synthetic ones (full: smollm2,131072)",
+        help="vocabularies of the layout and async sections, as --vocab (default: --vocab's; "
+        "async: smollm2,131072)",
     )
     p.add_argument("--layout-batch", type=_ints, help="layout section batches (full: 8,64,256)")
     p.add_argument("--layout-nodes", type=_ints, help="layout section nodes (full: 16,64)")

@@ -71,16 +71,15 @@ class LayoutGrid:
 
 
 def layout_setup(vocab: str) -> Setup:
-    """``"smollm2"``: the GGUF's vocabulary; a number: a synthetic vocabulary of that size."""
-    from tools.bench.workloads import load_setup, synthetic_setup
+    """A vocabulary by name (:func:`tools.bench.workloads.vocab_setup`: ``smollm2``,
+    ``tekken``, ``qwen``) or a synthetic one of a given size."""
+    from tools.bench.workloads import vocab_setup
 
-    if vocab == "smollm2":
-        return load_setup((KIND,))
-    return synthetic_setup(int(vocab), (KIND,))
+    return vocab_setup(vocab, (KIND,))
 
 
 def _vocab_label(vocab: str, setup: Setup) -> str:
-    return f"SmolLM2 {setup.vocab_size}" if vocab == "smollm2" else f"synthetic {vocab}"
+    return setup.label or vocab
 
 
 # -- host build ----------------------------------------------------------------------------------

@@ -223,8 +223,9 @@ def run_percall_section(
 
 
 def percall_table(records: Sequence[dict[str, Any]]) -> str:
-    """Microseconds per phase (rows) and regime (columns)."""
-    regimes = [r["regime"] for r in records]
+    """Microseconds per phase (rows) and regime, per vocabulary (columns)."""
+    several = len({r.get("vocab") for r in records}) > 1
+    regimes = [f"{r['regime']} ({r['vocab']})" if several else r["regime"] for r in records]
     header = ["phase (µs, median)", *regimes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     phases = [p for p in PERCALL_PHASES if all(p in r["us"] for r in records)]

@@ -17,9 +17,11 @@ SECTIONS = (
     "async",
     "percall",
     "targets",
+    "thresholds",
 )
-#: sections run when --sections is not given (``targets`` re-runs parts of the others)
-DEFAULT_SECTIONS = SECTIONS[:-1]
+#: sections run when --sections is not given (``targets`` re-runs parts of the others;
+#: ``thresholds`` measures what the route table's numbers are set from)
+DEFAULT_SECTIONS = SECTIONS[:-2]
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class Preset:
     chain_drafts: tuple[int, ...]
     chain_batches: tuple[int, ...]
     chain_reasoning: tuple[float, ...]
-    layout_vocabs: tuple[str, ...] = ("smollm2", "131072")
+    #: the build, chains, percall and layout sections run on each (workloads.vocab_setup)
+    vocabs: tuple[str, ...] = ("smollm2", "tekken", "qwen")
+    layout_vocabs: tuple[str, ...] = ("smollm2", "tekken", "qwen")
     layout_batches: tuple[int, ...] = (8, 64, 256)
     layout_nodes: tuple[int, ...] = (16, 64)
     async_vocabs: tuple[str, ...] = ("smollm2", "131072")
@@ -80,6 +84,7 @@ QUICK = Preset(
     chain_drafts=(1, 4),
     chain_batches=(1, 8),
     chain_reasoning=(0.5,),
+    vocabs=("smollm2",),
     layout_vocabs=("smollm2",),
     layout_batches=(8,),
     layout_nodes=(16,),

@@ -79,6 +79,7 @@ def build_table(records: Sequence[dict[str, Any]]) -> str:
         return ""
     cores = records[0]["cores"]
     header = [
+        "vocab",
         "grammar",
         "shape",
         "nodes",
@@ -104,6 +105,7 @@ def build_table(records: Sequence[dict[str, Any]]) -> str:
         ok = r.get("masks_identical") and r.get("accepted_matches")
         rows.append(
             [
+                r.get("vocab", "SmolLM2 49152"),
                 r["kind"],
                 r["shape"],
                 str(r["nodes"]),
@@ -184,6 +186,7 @@ def chains_table(records: Sequence[dict[str, Any]]) -> str:
     if not records:
         return ""
     header = [
+        "vocab",
         "K",
         "batch",
         "reasoning",
@@ -201,6 +204,7 @@ def chains_table(records: Sequence[dict[str, Any]]) -> str:
         s, sp = r["seconds"], r["speedup"]
         rows.append(
             [
+                r.get("vocab", "SmolLM2 49152"),
                 str(r["k"]),
                 str(r["batch"]),
                 f"{100 * r['reasoning_share']:.0f}%",

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         background_busy_cores,
         usable_cores,
     )
-    from tools.bench.workloads import load_setup, make_pool
+    from tools.bench.workloads import make_pool, vocab_setup
 
     preset = QUICK if args.quick else FULL
     batches = args.batch or preset.batches
@@ -158,8 +158,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         on_grammar=args.on_grammar,
         seed=args.seed,
     )
-    steps = 1  # vocabulary
-    steps += len(grid.configs()) if "build" in sections else 0
+    vocabs = args.vocab or preset.vocabs
+    steps = 1  # vocabularies
+    steps += len(vocabs) * len(grid.configs()) if "build" in sections else 0
     steps += 4 * len(staging_batches) if "staging" in sections else 0
     steps += 5 if "apply" in sections else 0
     steps += 2 if "overlap" in sections else 0
@@ -174,8 +175,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     chain_drafts = args.chain_drafts or preset.chain_drafts
     chain_batches = args.chain_batch or preset.chain_batches
     chain_reasoning = args.chain_reasoning or preset.chain_reasoning
-    steps += len(chain_drafts) * len(chain_reasoning) if "chains" in sections else 0
-    layout_vocabs = args.layout_vocab or preset.layout_vocabs
+    steps += len(vocabs) * len(chain_drafts) * len(chain_reasoning) if "chains" in sections else 0
+    layout_vocabs = args.layout_vocab or args.vocab or preset.layout_vocabs
     async_vocabs = args.layout_vocab or preset.async_vocabs
     layout_grid = LayoutGrid(
         vocabs=layout_vocabs,
@@ -190,7 +191,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if "layout" in sections:
         steps += len(layout_grid.vocabs) * len(layout_grid.nodes) * len(layout_grid.batches)
     steps += len(async_vocabs) if "async" in sections else 0
-    steps += 2 if "percall" in sections else 0
+    steps += 2 * len(vocabs) if "percall" in sections else 0
+    steps += 3 * len(vocabs) if "thresholds" in sections else 0
     steps += 2 + 2 * len(chain_drafts) + 1 + 2 + 2 if "targets" in sections else 0
     percall_plan = RoundPlan(
         min_rounds=max(plan.min_rounds, 50), max_rounds=max(plan.max_rounds, 400), budget_s=3.0
@@ -212,7 +214,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 "budget_s": plan.budget_s,
             },
             "workload": {
-                "vocabulary": "SmolLM2-135M (GGUF), 49152 tokens",
+                "vocabulary": "SmolLM2-135M (GGUF), 49152 tokens (build, chains, percall, "
+                "layout: each of meta.vocabularies)",
                 "topk": args.topk,
                 "on_grammar": args.on_grammar,
                 "seed": args.seed,
@@ -228,26 +231,34 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "layout": [],
         "async": [],
         "percall": [],
+        "thresholds": [],
         "per_call_targets": [],
         "targets_runs": {},
     }
     wall = time.perf_counter()
     meter = LoadMeter()
     with _Progress(steps, not args.no_progress) as progress, _torch_threads(args.torch_threads):
-        progress.describe("loading the SmolLM2 vocabulary and compiling grammars")
+        progress.describe("loading the vocabularies and compiling grammars")
         kinds = (*grammars, "json_schema") if "build" in sections else ("json_schema",)
         if "engines" in sections:
             kinds = (*kinds, *engine_kinds)
-        if "chains" in sections or "percall" in sections or "targets" in sections:
+        if {"chains", "percall", "targets", "thresholds"} & set(sections):
             kinds = (*kinds, "json_schema")
-        setup = load_setup(tuple(dict.fromkeys(kinds)))
+        kinds = tuple(dict.fromkeys(kinds))
+        # the other sections run on the first vocabulary; these on every one
+        setups = [vocab_setup(name, kinds) for name in vocabs]
+        setup = setups[0]
         payload["meta"]["vocab_size"] = setup.vocab_size
+        payload["meta"]["vocabularies"] = [
+            {"name": name, "label": s.label, "vocab_size": s.vocab_size, "words": s.words}
+            for name, s in zip(vocabs, setups, strict=True)
+        ]
         if "apply" in sections and args.apply_vocab < setup.vocab_size:
             raise SystemExit(
                 f"scripts/bench.sh: --apply-vocab must be at least the grammar vocabulary "
                 f"({setup.vocab_size}), got {args.apply_vocab}"
             )
-        progress.advance("vocabulary loaded")
+        progress.advance("vocabularies loaded")
 
         if "build" in sections:
             progress.describe("build: drawing request pools")
@@ -255,9 +266,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             def plan_for(_batch: int, _nodes: int) -> RoundPlan:
                 return plan
 
-            payload["build"] = run_build_section(
-                setup, grid, plan_for, threads=threads, policy=policy, advance=progress.advance
-            )
+            for each in setups:
+                payload["build"] += _labelled(
+                    each,
+                    run_build_section(
+                        each, grid, plan_for, threads=threads, policy=policy,
+                        advance=progress.advance,
+                    ),
+                )  # fmt: skip
 
         if "staging" in sections or "overlap" in sections:
             progress.describe("drawing the staging/overlap pool")
@@ -339,18 +355,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             from tools.bench.chains import run_chains_section
 
             progress.describe("chains: drawing request pools")
-            payload["chains"] = run_chains_section(
-                setup,
-                chain_drafts,
-                chain_batches,
-                lambda _batch, _nodes: plan,
-                threads=threads,
-                reasoning_shares=chain_reasoning,
-                on_grammar=args.on_grammar,
-                seed=args.seed,
-                policy=policy,
-                advance=progress.advance,
-            )
+            for each in setups:
+                payload["chains"] += _labelled(
+                    each,
+                    run_chains_section(
+                        each,
+                        chain_drafts,
+                        chain_batches,
+                        lambda _batch, _nodes: plan,
+                        threads=threads,
+                        reasoning_shares=chain_reasoning,
+                        on_grammar=args.on_grammar,
+                        seed=args.seed,
+                        policy=policy,
+                        advance=progress.advance,
+                    ),
+                )
         if "layout" in sections:
             from tools.bench.layouts import run_layout_section
 
@@ -375,14 +395,30 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             from tools.bench.percall import run_percall_section
 
             progress.describe("percall: drawing requests")
-            payload["percall"] = run_percall_section(
-                setup,
-                percall_plan,
-                on_grammar=args.on_grammar,
-                seed=args.seed,
-                policy=policy,
-                advance=progress.advance,
-            )
+            for each in setups:
+                payload["percall"] += _labelled(
+                    each,
+                    run_percall_section(
+                        each,
+                        percall_plan,
+                        on_grammar=args.on_grammar,
+                        seed=args.seed,
+                        policy=policy,
+                        advance=progress.advance,
+                    ),
+                )
+        if "thresholds" in sections:
+            from tools.bench.thresholds import run_thresholds_section
+
+            progress.describe("thresholds: drawing request pools")
+            for each in setups:
+                payload["thresholds"] += _labelled(
+                    each,
+                    run_thresholds_section(
+                        each, plan, on_grammar=args.on_grammar, seed=args.seed, policy=policy,
+                        advance=progress.advance,
+                    ),
+                )  # fmt: skip
         if "targets" in sections:
             from tools.bench.percall import issue_targets, run_targets_section
 
@@ -410,6 +446,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     }
     payload["targets"] = [t.as_dict() for t in targets(payload)]
     return payload
+
+
+def _labelled(setup: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with the vocabulary they ran on (``vocab``, ``vocab_size``)."""
+    for record in records:
+        record["vocab"] = setup.label
+        record["vocab_size"] = setup.vocab_size
+    return records
 
 
 def targets(payload: dict[str, Any]) -> list[Any]:

