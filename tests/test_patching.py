@@ -390,5 +390,10 @@ def test_stats_shape_and_threads():
     assert snap["samples"] == {"portable_spec": {8: 2}, "engine": {1: 1}}
     with pytest.raises(KeyError):
         stats.add("unknown")
+    stats.update({"steps": 2, "rows": 1}, {"waited_s": 5.0})
+    with pytest.raises(KeyError, match="unknown"):
+        stats.update({"steps": 1, "unknown": 1})  # nothing counted
+    snap = stats.snapshot()
+    assert (snap["steps"], snap["rows"], snap["waited_s"]) == (4002, 8, [3.0, 4.0, 5.0])
     stats.reset()
     assert stats.snapshot()["steps"] == 0 and stats.snapshot()["median_us"] == {}

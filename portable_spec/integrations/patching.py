@@ -421,6 +421,23 @@ class Stats:
         with self._lock:
             self._series[name].append(value)
 
+    def update(self, counts: Mapping[str, int], samples: Mapping[str, float] | None = None) -> None:
+        """Several counters (``name: n``) and series values at once, under one lock (a step's
+        bookkeeping in one call). Raises KeyError for an unknown name, counting nothing."""
+        samples = samples or {}
+        with self._lock:
+            if not (
+                counts.keys() <= self._counters.keys() and samples.keys() <= self._series.keys()
+            ):
+                unknown = (counts.keys() - self._counters.keys()) | (
+                    samples.keys() - self._series.keys()
+                )
+                raise KeyError(f"not counted here: {sorted(unknown)}")
+            for name, n in counts.items():
+                self._counters[name] += n
+            for name, value in samples.items():
+                self._series[name].append(value)
+
     def time(self, build: str, batch: int, seconds: float) -> None:
         with self._lock:
             per = self._times.setdefault(build, {})
