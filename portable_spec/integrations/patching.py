@@ -102,12 +102,15 @@ class Patch:
 
     ``target``: ``"package.module:Qualified.name"``. ``make``: called once with the engine's
     function, returns its replacement; ``None`` for a function the integration relies on
-    without replacing it (its source is checked all the same). ``rebind``: the replacement
-    also takes the place of every module-level name bound to the original when the patch set
-    is installed (``from module import name`` in modules imported before; modules imported
-    after read the patched attribute anyway). ``fixes``: for a patch that works around a bug
-    of the engine rather than adding the mask, the name of that bug in the integration's
-    upstream notes; such a patch is dropped from a revision's table once the engine fixes it.
+    without replacing it (its source is checked all the same). Several patches may name one
+    target (a fix of the engine's function and the mask work on it): they are stacked in the
+    order of the table, each ``make`` given what the one before made (the first: the engine's
+    function). ``rebind``: the replacement also takes the place of every module-level name
+    bound to the original when the patch set is installed (``from module import name`` in
+    modules imported before; modules imported after read the patched attribute anyway).
+    ``fixes``: for a patch that works around a bug of the engine rather than adding the mask,
+    the name of that bug in the integration's upstream notes; once the engine fixes it, a
+    revision leaves the patch out (it omits the target, or names the bug in its ``fixed``).
     """
 
     target: str
@@ -119,12 +122,14 @@ class Patch:
 @dataclass(frozen=True)
 class Revision:
     """A release of the engine the integration knows: ``version``, the prefix of the version
-    the engine reports (``"0.32"`` matches ``"0.32.0"`` and ``"0.32.1"``, not ``"0.321"``), and
-    ``sources``, the :func:`source_hash` of every target at that release. Only the patches
-    whose target is listed are installed for it."""
+    the engine reports (``"0.32"`` matches ``"0.32.0"`` and ``"0.32.1"``, not ``"0.321"``; ``""``
+    any version), ``sources``, the :func:`source_hash` of every target at that release, and
+    ``fixed``, the engine bugs (:attr:`Patch.fixes`) the release no longer has. The patches
+    installed for it are those whose target is listed and whose bug is not fixed."""
 
     version: str
     sources: Mapping[str, str] = field(default_factory=dict)
+    fixed: frozenset[str] = frozenset()
 
     def matches_version(self, version: str) -> bool:
         if not self.version:
@@ -151,13 +156,17 @@ class PatchSet:
         version: Callable[[], str | None],
         logger: logging.Logger,
     ) -> None:
-        targets = [p.target for p in patches]
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"{engine}: a target is patched twice")
+        targets = {p.target for p in patches}
+        bugs = {p.fixes for p in patches if p.fixes}
         for label, revision in revisions.items():
-            unknown = set(revision.sources) - set(targets)
+            unknown = set(revision.sources) - targets
             if unknown:
                 raise ValueError(f"{engine} {label}: sources of unpatched targets {unknown}")
+            if set(revision.fixed) - bugs:
+                raise ValueError(
+                    f"{engine} {label}: fixed bugs no patch works around "
+                    f"{set(revision.fixed) - bugs}"
+                )
         self.engine = engine
         self.patches = tuple(patches)
         self.revisions = dict(revisions)
@@ -173,6 +182,15 @@ class PatchSet:
     def is_installed(self) -> bool:
         """Whether the patches are in place in this process."""
         return self.revision is not None
+
+    def installs(self, label: str) -> tuple[Patch, ...]:
+        """The patches that replace a function at revision ``label``, in table order."""
+        revision = self.revisions[label]
+        return tuple(
+            p
+            for p in self.patches
+            if p.make is not None and p.target in revision.sources and p.fixes not in revision.fixed
+        )
 
     def original(self, target: str) -> Any:
         """The engine's own function behind ``target`` (patched or not)."""
@@ -225,16 +243,17 @@ class PatchSet:
                         why,
                     )
                 return False
-            listed = self.revisions[label].sources
+            stacks: dict[str, list[Patch]] = {}
+            for patch in self.installs(label):
+                stacks.setdefault(patch.target, []).append(patch)
             try:
-                for patch in self.patches:
-                    if patch.make is not None and patch.target in listed:
-                        self._apply(patch)
+                for target, stack in stacks.items():
+                    self._apply(target, stack)
             except BaseException:
                 self._restore()
                 raise
             self.revision = label
-        replaced = sum(1 for p in self.patches if p.make is not None and p.target in listed)
+        replaced = len(stacks)
         self._logger.info(
             "portable_spec: %s %s patched (%d functions replaced)", self.engine, label, replaced
         )
@@ -246,21 +265,24 @@ class PatchSet:
             self._restore()
             self.revision = None
 
-    def _apply(self, patch: Patch) -> None:
-        owner, attribute, original = resolve(patch.target)
+    def _apply(self, target: str, stack: Sequence[Patch]) -> None:
+        """Replace ``target`` by its ``stack`` of patches, the first made from the engine's own."""
+        owner, attribute, original = resolve(target)
         own = vars(owner).get(attribute, _MISSING) if isinstance(owner, type) else original
         binder = type(own) if isinstance(own, (staticmethod, classmethod)) else None
         if binder is not None:  # the replacement is made from, and bound like, the function
             original = own.__func__
-        assert patch.make is not None
-        replacement = patch.make(original)
-        setattr(replacement, _ORIGINAL, original)
-        for name in ("__doc__", "__name__", "__qualname__"):
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(replacement, name, getattr(original, name))
+        replacement = original
+        for patch in stack:
+            assert patch.make is not None
+            replacement = patch.make(replacement)
+            setattr(replacement, _ORIGINAL, original)
+            for name in ("__doc__", "__name__", "__qualname__"):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(replacement, name, getattr(original, name))
         setattr(owner, attribute, replacement if binder is None else binder(replacement))
-        self._applied[patch.target] = (owner, attribute, own, replacement)
-        if patch.rebind:
+        self._applied[target] = (owner, attribute, own, replacement)
+        if any(patch.rebind for patch in stack):
             for module in list(sys.modules.values()):
                 names = getattr(module, "__dict__", None)
                 if module is owner or not isinstance(names, dict):
@@ -457,6 +479,23 @@ class Stats:
     def sample(self, name: str, value: float) -> None:
         with self._lock:
             self._series[name].append(value)
+
+    def update(self, counts: Mapping[str, int], samples: Mapping[str, float] | None = None) -> None:
+        """Several counters (``name: n``) and series values at once, under one lock (a step's
+        bookkeeping in one call). Raises KeyError for an unknown name, counting nothing."""
+        samples = samples or {}
+        with self._lock:
+            if not (
+                counts.keys() <= self._counters.keys() and samples.keys() <= self._series.keys()
+            ):
+                unknown = (counts.keys() - self._counters.keys()) | (
+                    samples.keys() - self._series.keys()
+                )
+                raise KeyError(f"not counted here: {sorted(unknown)}")
+            for name, n in counts.items():
+                self._counters[name] += n
+            for name, value in samples.items():
+                self._series[name].append(value)
 
     def time(self, build: str, batch: int, seconds: float) -> None:
         with self._lock:
