@@ -177,6 +177,7 @@ def test_install_replaces_rebinds_and_uninstall_restores(engine, caplog):
     patches.uninstall()
     assert not patches.is_installed()
     assert core.build is build and user.build is build and user.renamed is build
+    assert late.build is build  # bound the replacement while it was installed
     assert core.Worker.step is step and "inherited" not in vars(core.Worker)
     assert isinstance(vars(core.Worker)["helper"], staticmethod)
     assert w.inherited() == "base" and core.Worker.make() == "Worker"

@@ -260,7 +260,8 @@ class PatchSet:
         return True
 
     def uninstall(self) -> None:
-        """Give the engine its own functions back (every rebound module name included)."""
+        """Give the engine its own functions back (every rebound module name included, and
+        the names modules imported while it was installed bound to a replacement)."""
         with self._lock:
             self._restore()
             self.revision = None
@@ -296,12 +297,30 @@ class PatchSet:
         for module, name, original in reversed(self._rebound):
             module.__dict__[name] = original
         self._rebound.clear()
+        # modules imported while installed bound the replacement itself (from X import Y)
+        late = {
+            id(replacement): getattr(replacement, _ORIGINAL)
+            for target, (_, _, _, replacement) in self._applied.items()
+            if self._rebinds(target)
+        }
+        if late:
+            for module in list(sys.modules.values()):
+                names = getattr(module, "__dict__", None)
+                if not isinstance(names, dict):
+                    continue
+                for name, value in list(names.items()):
+                    original = late.get(id(value))
+                    if original is not None and isinstance(value, type(original)):
+                        names[name] = original
         for owner, attribute, own, _ in reversed(self._applied.values()):
             if own is _MISSING:
                 delattr(owner, attribute)
             else:
                 setattr(owner, attribute, own)
         self._applied.clear()
+
+    def _rebinds(self, target: str) -> bool:
+        return any(p.target == target and p.rebind for p in self.patches)
 
 
 def _hash_or_none(target: str) -> str | None:
