@@ -125,8 +125,10 @@ def integration_stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
-    """Forget this process's counters and timings."""
+    """Forget this process's counters and timings; the warning for an sglang-jax the
+    integration does not know may be logged again."""
     STATS.reset()
+    _PATCH_SET.reset_warning()
 
 
 def set_drafting(on: bool) -> None:
