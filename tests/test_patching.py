@@ -395,6 +395,8 @@ def test_stats_shape_and_threads():
     stats.update({"steps": 2, "rows": 1}, {"waited_s": 5.0})
     with pytest.raises(KeyError, match="unknown"):
         stats.update({"steps": 1, "unknown": 1})  # nothing counted
+    with pytest.raises(KeyError, match="unknown_s"):
+        stats.update({"steps": 1}, {"unknown_s": 1.0})  # nothing counted either
     snap = stats.snapshot()
     assert (snap["steps"], snap["rows"], snap["waited_s"]) == (4002, 8, [3.0, 4.0, 5.0])
     stats.reset()

@@ -504,12 +504,8 @@ class Stats:
         bookkeeping in one call). Raises KeyError for an unknown name, counting nothing."""
         samples = samples or {}
         with self._lock:
-            if not (
-                counts.keys() <= self._counters.keys() and samples.keys() <= self._series.keys()
-            ):
-                unknown = (counts.keys() - self._counters.keys()) | (
-                    samples.keys() - self._series.keys()
-                )
+            unknown = (counts.keys() - self._counters) | (samples.keys() - self._series)
+            if unknown:
                 raise KeyError(f"not counted here: {sorted(unknown)}")
             for name, n in counts.items():
                 self._counters[name] += n
