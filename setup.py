@@ -6,9 +6,10 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-# The sglang-jax integration's switch (portable_spec/integrations/sglang_jax_hook.py): a .pth
+# The sglang-jax integration's switch (portable_spec/integrations/sglang_jax/hook.py): a .pth
 # file at the root of site-packages, which Python runs in every process.
 PTH = "portable_spec_sglang_jax.pth"
+PTH_SOURCE = os.path.join("portable_spec", "integrations", "sglang_jax", PTH)
 
 
 class BuildPy(build_py):
@@ -16,7 +17,7 @@ class BuildPy(build_py):
 
     def run(self) -> None:
         super().run()
-        self.copy_file(os.path.join("portable_spec", "integrations", PTH), self._pth())
+        self.copy_file(PTH_SOURCE, self._pth())
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         return [*super().get_outputs(include_bytecode), self._pth()]

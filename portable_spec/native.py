@@ -24,9 +24,10 @@ repair_chains       walked chains repaired (vLLM's repeat rule)  none: the vLLM 
 walk_chains         chains of xgrammar matchers walked and       none: taken only when
 walk_trees          repaired in one call (or trees)              walks_xgrammar()
 pack_chains         draft lists packed, walked                   None: the caller's path
-vllm_chains         vLLM's step read from its objects, walked    None: the plugin's path
+vllm_chains         vLLM's step read from its objects (through   None: the plugin's path
+                    the attribute names handed in), walked
 vllm_guidance       vLLM's guidance step, one llguidance call    None: the plugin's path
-                    per request
+                    per request (names handed in too)
 llguidance_walk     one request's walk of an llguidance          None: the Python walk
                     matcher, its methods called from C
 llguidance_walks    the same for a batch, straight into the      none: taken only when the

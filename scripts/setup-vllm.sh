@@ -29,17 +29,24 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-vllm.tx
   "$py" -m pip check >&2 || true
   touch "$stamp"
 fi
-# vLLM 0.33's structured-output manager (source only, for the replay test of 0.33's strided
-# rows: there is no CPU build of 0.33, and its manager imports fine on top of 0.32's package).
+# vLLM 0.33's structured-output modules (source only: there is no CPU build of 0.33, and its
+# manager imports fine on top of 0.32's package): the replay test of 0.33's strided rows runs
+# its manager, and the plugin's table of releases is checked against their source.
 v033="$venv/vllm-0.33.0/structured_output.py"
-if [ ! -f "$v033" ]; then
+if [ ! -f "$v033" ] || [ ! -f "$venv/vllm-0.33.0/structured_output/request.py" ]; then
   tmp=$(mktemp -d)
   if "$py" -m pip download --quiet --disable-pip-version-check --no-deps "vllm==0.33.0" -d "$tmp" 2>/dev/null; then
-    mkdir -p "$(dirname "$v033")"
+    mkdir -p "$(dirname "$v033")/structured_output"
     "$py" - "$tmp"/vllm-0.33.0-*.whl "$v033" <<'PY'
-import sys, zipfile
+import os, sys, zipfile
+prefix = "vllm/v1/structured_output/"
+folder = os.path.join(os.path.dirname(sys.argv[2]), "structured_output")
 with zipfile.ZipFile(sys.argv[1]) as wheel:
-    source = wheel.read("vllm/v1/structured_output/__init__.py")
+    for name in wheel.namelist():
+        if name.startswith(prefix) and name.endswith(".py") and "/" not in name[len(prefix):]:
+            with open(os.path.join(folder, name[len(prefix):]), "wb") as f:
+                f.write(wheel.read(name))
+    source = wheel.read(prefix + "__init__.py")
 open(sys.argv[2], "wb").write(source)
 PY
   else

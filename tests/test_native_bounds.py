@@ -38,6 +38,9 @@ import numpy as np
 import portable_spec as ps
 from portable_spec import native
 helper = native.native
+# the attribute names the vLLM plugin hands the step readers (vllm/internals.py)
+XGRAMMAR_NAMES = ("structured_output_request", "_grammar", "matcher")
+GUIDANCE_NAMES = ("structured_output_request", "_grammar", "terminated", "ll_tokenizer", "ll_matcher")
 """
 
 _CASES = {
@@ -84,7 +87,8 @@ requests = {
     i: SimpleNamespace(structured_output_request=SimpleNamespace(_grammar=grammar)) for i in ids
 }
 buffer = np.zeros((8, 32), np.int32)
-done = helper.vllm_guidance(requests, ids, {}, {GuidanceGrammar}, ends, buffer, 2**62)
+done = helper.vllm_guidance(
+    requests, ids, {}, {GuidanceGrammar}, ends, buffer, 2**62, GUIDANCE_NAMES)
 assert done is None, done
 print("ok")
 """,
@@ -130,7 +134,8 @@ requests = {
 buffer = np.zeros((2, words), np.int32)
 stride = (2**64 + 2) // 3
 done = helper.vllm_chains(
-    requests, ids, {}, known, {XgrammarGrammar}, buffer, stride, np.zeros(0, np.int64))
+    requests, ids, {}, known, {XgrammarGrammar}, buffer, stride, np.zeros(0, np.int64),
+    XGRAMMAR_NAMES)
 assert done is None, done
 print("ok")
 """,
@@ -171,7 +176,8 @@ for _ in range(50):
     del grammar
     buffer = np.zeros((4, words), np.int32)
     done = helper.vllm_chains(
-        requests, ["a"], {"a": [5]}, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
+        requests, ["a"], {"a": [5]}, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64),
+        XGRAMMAR_NAMES)
     gc.collect()
     assert key not in known
     if done is not None:  # walked with the stop tokens it read: a reference of its own

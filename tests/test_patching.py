@@ -14,6 +14,7 @@ import pytest
 
 from portable_spec.integrations.patching import (
     ImportHook,
+    LogOnce,
     Patch,
     PatchSet,
     Revision,
@@ -257,12 +258,59 @@ def test_read_only_targets_are_recognised_not_replaced(engine):
     patches.uninstall()
 
 
+def test_patches_of_one_target_stack_in_table_order_and_leave_as_a_whole(engine, caplog):
+    core = importlib.import_module(f"{engine}.core")
+    user = importlib.import_module(f"{engine}.user")
+    build, step = core.build, core.Worker.step
+    target = f"{engine}.core:Worker.step"
+    stacked = [
+        Patch(target, _wrap("fix"), fixes="the step bug"),
+        Patch(target, _wrap("mask")),
+        Patch(f"{engine}.core:build", _wrap("fix"), fixes="the step bug", rebind=True),
+        Patch(f"{engine}.core:build", _wrap("mask"), rebind=True),
+    ]
+    patches = PatchSet(
+        "fake",
+        patches=stacked,
+        revisions={"r1": Revision("", _hashes(engine, "Worker.step", "build"))},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+    with caplog.at_level(logging.INFO, "test.fake"):
+        assert patches.install()
+    assert "(2 functions replaced)" in caplog.text
+    assert core.Worker().step(1) == ("mask", ("fix", 2))  # the first made from the engine's
+    assert user.build(5) == ("mask", ("fix", 4)) and core.build(5) == user.build(5)
+    assert patches.original(target) is step and source_hash(core.Worker.step) == source_hash(step)
+    patches.uninstall()
+    assert core.Worker.step is step and core.build is build and user.build is build
+
+
+def test_a_revision_naming_a_fixed_bug_leaves_only_that_patch_out(engine):
+    core = importlib.import_module(f"{engine}.core")
+    target = f"{engine}.core:Worker.step"
+    stacked = [Patch(target, _wrap("fix"), fixes="the step bug"), Patch(target, _wrap("mask"))]
+    sources = _hashes(engine, "Worker.step")
+    patches = PatchSet(
+        "fake",
+        patches=stacked,
+        revisions={"r2": Revision("", sources, fixed=frozenset({"the step bug"}))},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+    assert patches.installs("r2") == (stacked[1],)
+    assert patches.install()
+    assert core.Worker().step(1) == ("mask", 2)
+    patches.uninstall()
+    assert core.Worker().step(1) == 2
+
+
 def test_tables_that_contradict_themselves_are_refused(engine):
-    with pytest.raises(ValueError, match="patched twice"):
+    with pytest.raises(ValueError, match="fixed bugs no patch works around"):
         PatchSet(
             "fake",
-            patches=[Patch("a:b"), Patch("a:b")],
-            revisions={},
+            patches=[Patch("a:b", fixes="one bug")],
+            revisions={"r": Revision("1", {"a:b": "0"}, fixed=frozenset({"another bug"}))},
             version=lambda: "1",
             logger=logging.getLogger("test.fake"),
         )
@@ -344,5 +392,64 @@ def test_stats_shape_and_threads():
     assert snap["samples"] == {"portable_spec": {8: 2}, "engine": {1: 1}}
     with pytest.raises(KeyError):
         stats.add("unknown")
+    stats.update({"steps": 2, "rows": 1}, {"waited_s": 5.0})
+    with pytest.raises(KeyError, match="unknown"):
+        stats.update({"steps": 1, "unknown": 1})  # nothing counted
+    with pytest.raises(KeyError, match="unknown_s"):
+        stats.update({"steps": 1}, {"unknown_s": 1.0})  # nothing counted either
+    snap = stats.snapshot()
+    assert (snap["steps"], snap["rows"], snap["waited_s"]) == (4002, 8, [3.0, 4.0, 5.0])
     stats.reset()
     assert stats.snapshot()["steps"] == 0 and stats.snapshot()["median_us"] == {}
+
+
+def test_stats_list_their_builds_before_any_timing():
+    stats = Stats(["calls"], builds=["portable_spec", "engine"])
+    assert stats.add("calls") == 1 and stats.add("calls", 2) == 3
+    snap = stats.snapshot()
+    assert snap["median_us"] == {"portable_spec": {}, "engine": {}}
+    assert snap["samples"] == {"portable_spec": {}, "engine": {}}
+    stats.time("engine", 4, 5e-6)
+    stats.reset()
+    assert stats.snapshot()["median_us"] == {"portable_spec": {}, "engine": {}}
+
+
+def test_sources_are_what_a_new_revision_lists(engine):
+    patches = _set(engine)
+    assert patches.sources() == dict(patches.revisions["r1"].sources)
+    missing = PatchSet(
+        "fake",
+        patches=[Patch(f"{engine}.core:nowhere")],
+        revisions={},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+    assert missing.sources() == {f"{engine}.core:nowhere": None}
+
+
+def test_reset_warning_warns_again(engine, caplog):
+    patches = _set(engine, version="9.0")
+    with caplog.at_level(logging.WARNING, "test.fake"):
+        assert not patches.install()
+        assert not patches.install()
+        patches.reset_warning()
+        assert not patches.install()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_log_once_per_kind_until_reset(caplog):
+    once = LogOnce(logging.getLogger("test.fake"))
+    with caplog.at_level(logging.INFO, "test.fake"):
+        for _ in range(3):
+            once.warning("a", "refused %s", "a")
+            once.warning("b", "refused %s", "b")
+            once.info("c", "said once")
+        once.reset()
+        once.warning("a", "refused %s", "a")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a",
+        "refused b",
+        "said once",
+        "refused a",
+    ]
+    assert once.first("d") and not once.first("d")

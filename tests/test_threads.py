@@ -40,7 +40,7 @@ import portable_spec.builder.routes as routes
 from portable_spec import native as native_module
 from portable_spec.engines import xgrammar as xgrammar_engine
 from portable_spec.engines.xgrammar import probe_xgrammar
-from portable_spec.integrations import _vllm_fast
+from portable_spec.integrations.vllm import xgrammar as vllm_xgrammar
 
 compiled_only = pytest.mark.skipif(
     native_module.native is None, reason="portable_spec._native is not built here"
@@ -250,7 +250,7 @@ def test_the_vllm_step_holds_what_it_read(smollm2):
     spec = {str(b): list(d) for b, (_, d) in enumerate(pairs)}
     manager = _manager(smollm2.words)
     buffer = np.full((16, smollm2.words), 7, dtype=np.int32)
-    _vllm_fast.fast_rows(manager, requests, ids, spec, None, buffer)  # learns the grammars
+    vllm_xgrammar.fast_rows(manager, requests, ids, spec, 0, buffer)  # learns the grammars
 
     def drop():  # every reference but the walk's own
         for g in grammars:
@@ -258,12 +258,13 @@ def test_the_vllm_step_holds_what_it_read(smollm2):
         requests.clear()
         spec.clear()
         ids.clear()
-        _vllm_fast.forget_grammars()
+        vllm_xgrammar.forget_grammars()
         gc.collect()
 
     with _Hook(drop) as hook:
-        out = _vllm_fast.fast_rows(manager, requests, ids, spec, None, buffer)
-    assert hook.calls == 1 and out is not None
+        written = vllm_xgrammar.fast_rows(manager, requests, ids, spec, 0, buffer)
+    assert hook.calls == 1 and written is not None
+    out = written.rows
     start = 0
     for request, drafts in pairs:
         want, _ = _chain_rows(request, drafts, smollm2)
@@ -333,6 +334,7 @@ info = tokenizer_info(load_vocab())
 V = info.vocab_size
 compiled = compile_sample(xgr.GrammarCompiler(info), "json_schema")
 NEW_ABI = getattr(native.native, "ABI_VERSION", 1) >= 2
+NAMES_ABI = getattr(native.native, "ABI_VERSION", 1) >= 4  # vLLM's names handed in
 
 def grammar_chain(n, seed=0):
     rng, m, out = random.Random(seed), xgr.GrammarMatcher(compiled), []
@@ -482,7 +484,8 @@ for _ in range(200):
     known = {id(grammar): (m, xgrammar_handle(m), words, np.zeros(0, np.int64), None)}
     buffer = np.zeros((4, words), np.int32)
     fn = native.vllm_chains if NEW_ABI else native.native.vllm_chains
-    fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64))
+    names = (("structured_output_request", "_grammar", "matcher"),) if NAMES_ABI else ()
+    fn(requests, ids, spec, known, {XgrammarGrammar}, buffer, 0, np.zeros(0, np.int64), *names)
 print("ok")
 """,
     "llguidance_inputs_rewritten_while_walked": """
@@ -510,7 +513,7 @@ print("ok")
     "vllm_guidance_objects_changed_while_read": """
 from types import SimpleNamespace
 from portable_spec import testing
-from portable_spec.integrations import _vllm_guidance
+from portable_spec.integrations.vllm import guidance as vllm_guidance
 tokenizer = testing.llguidance_tokenizer()
 words = (V + 31) // 32
 drafts = [grammar_chain(4, seed) for seed in range(4)]
@@ -525,7 +528,7 @@ class GuidanceGrammar:  # its attribute reads empty the step's containers and dr
         ids.clear()
         requests.clear()
         return False
-_vllm_guidance._tokenizer_facts(tokenizer)
+vllm_guidance._tokenizer_facts(tokenizer)
 buffer = np.zeros((64, words), np.int32)
 def step():
     global spec, ids, requests
@@ -537,7 +540,8 @@ def step():
         for rid in ids
     }
     fn = native.vllm_guidance
-    fn(requests, ids, spec, {GuidanceGrammar}, _vllm_guidance._eos, buffer, 0)
+    fn(requests, ids, spec, {GuidanceGrammar}, vllm_guidance._eos, buffer, 0,
+       vllm_guidance._NAMES)
 def disturb():  # another thread rewriting the drafts while llguidance holds no GIL
     for tokens in list(spec.values()):
         tokens[:] = [-7] * 9
@@ -651,11 +655,12 @@ def test_the_vllm_plugin_repeats_the_row_before_a_draft_past_the_vocabulary(smal
     request, drafts = _in_a_string(small_vocab)
     grammar = XgrammarGrammar(request.fresh())
     buffer = np.full((8, small_vocab.words), 7, dtype=np.int32)
-    out = _vllm_fast.fast_rows(
-        _manager(small_vocab.words), {"0": _held(grammar)}, ["0"], {"0": drafts}, None, buffer
+    written = vllm_xgrammar.fast_rows(
+        _manager(small_vocab.words), {"0": _held(grammar)}, ["0"], {"0": drafts}, 0, buffer
     )
     want = expected_rows(request.fresh, [1, 2, 3, -1], [-1] * 4, [0, *drafts], 1024, 32)
-    assert out is not None
+    assert written is not None
+    out = written.rows
     np.testing.assert_array_equal(out[:2], want[:2])
     np.testing.assert_array_equal(out[2], want[1])  # the row before the refused draft
     np.testing.assert_array_equal(out[3], want[1])

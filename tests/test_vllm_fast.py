@@ -22,8 +22,8 @@ import portable_spec as ps
 from portable_spec import native as compiled
 from portable_spec.engines import xgrammar as xgrammar_engine
 from portable_spec.engines.base import MatcherInfo
-from portable_spec.integrations import _vllm_fast
-from portable_spec.integrations import vllm as plugin
+from portable_spec.integrations.vllm import bitmask as plugin
+from portable_spec.integrations.vllm import xgrammar as fast_path
 
 K = 4
 
@@ -181,7 +181,7 @@ def _walks(monkeypatch, direct):
     (as when the compiled helper cannot call xgrammar itself) and the per-request walk runs."""
     if compiled.native is None:
         pytest.skip("the compiled helper is not built")
-    _vllm_fast.forget_grammars()
+    fast_path.forget_grammars()
     calls = []
     walk = compiled.walk_chains
     pack = compiled.pack_chains
@@ -251,7 +251,8 @@ def test_common_steps_match_replay(smollm2, layout, walk, monkeypatch):
             if manager._grammar_bitmask is not None:
                 manager._grammar_bitmask.numpy()[:] = 7  # every row must be written again
             walks.clear()
-            out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+            built = plugin.build_or_none(manager, requests, ids, spec, layout=layout)
+            out = built.rows
             assert taken[-1]
             if walk == "per_request":
                 assert walks == []
@@ -273,7 +274,7 @@ def test_common_steps_match_replay(smollm2, layout, walk, monkeypatch):
                     unwritten.extend(range(row, row + tail))
                     row += tail
             assert len(out) == row
-            assert manager._portable_spec_unwritten == unwritten
+            assert built.unwritten == unwritten
 
 
 def test_one_matcher_without_handle_walks_each_request(smollm2, monkeypatch):
@@ -288,13 +289,13 @@ def test_one_matcher_without_handle_walks_each_request(smollm2, monkeypatch):
     handle = compiled.xgrammar_handle
     monkeypatch.setattr(compiled, "xgrammar_handle", lambda m: 0 if m is odd else handle(m))
     manager = _manager(vocab.words)
-    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    plugin.build_or_none(manager, requests, ids, spec)  # learns the widths
     buffer = manager._grammar_bitmask.numpy()
     buffer[:] = 7
     walks.clear()
-    out = plugin.fast_rows(manager, requests, ids, spec, None, buffer)
-    assert out is not None and walks == []
-    np.testing.assert_array_equal(out, np.concatenate(expected))
+    out = plugin.fast_rows(manager, requests, ids, spec, 0, buffer)
+    assert out is not None and walks == [] and out.unwritten == []
+    np.testing.assert_array_equal(out.rows, np.concatenate(expected))
 
 
 @pytest.mark.parametrize("walk", ["one_call", "per_request"])
@@ -302,7 +303,7 @@ def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, 
     """xgrammar refusing a walk (here: a matcher of a smaller vocabulary taken for the
     model's width) raises MatcherError naming the request, every matcher back in its state;
     the plugin then gives the step to its checked path, which refuses it too: vLLM's own fill
-    takes the step (``_build_or_none`` returns None)."""
+    takes the step (``build_or_none`` returns None)."""
     import xgrammar as xgr
 
     vocab = smollm2
@@ -311,7 +312,7 @@ def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, 
     requests, spec, _ = _step(rng, vocab, 4, kinds=("valid",))
     ids = list(requests)
     manager = _manager(vocab.words)
-    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    plugin.build_or_none(manager, requests, ids, spec)  # learns the widths
     small = xgr.TokenizerInfo(vocab.tokens[:1000])
     narrow = xgr.GrammarMatcher(xgr.GrammarCompiler(small).compile_grammar('root ::= "a"+'))
     stop = xgrammar_engine.xgrammar_info(requests["r0"].structured_output_request.grammar.matcher)
@@ -330,10 +331,10 @@ def test_a_walk_xgrammar_refuses_is_named_and_goes_to_the_checked_path(smollm2, 
     buffer = manager._grammar_bitmask.numpy()
     walks.clear()
     with pytest.raises(ps.MatcherError) as info:
-        plugin.fast_rows(manager, requests, ids, spec, None, buffer)
+        plugin.fast_rows(manager, requests, ids, spec, 0, buffer)
     assert info.value.request_index == 2
     assert walks == ([4] if walk == "one_call" else [])
-    assert plugin._build_or_none(manager, requests, ids, spec) is None
+    assert plugin.build_or_none(manager, requests, ids, spec) is None
     after = _state({k: v for k, v in requests.items() if k != "r2"}, vocab)
     for (t0, r0), (t1, r1) in zip(before, after, strict=True):
         assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
@@ -351,9 +352,9 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, wal
     spec = {rid: spec.get(rid) or [vocab.tokens.index("{")] for rid in requests}
     ids = list(requests)
     manager = _manager(vocab.words)
-    plugin._build_or_none(manager, requests, ids, spec)  # learns the widths
+    plugin.build_or_none(manager, requests, ids, spec)  # learns the widths
     buffer = manager._grammar_bitmask.numpy()
-    assert plugin.fast_rows(manager, requests, ids, spec, None, buffer) is not None
+    assert plugin.fast_rows(manager, requests, ids, spec, 0, buffer) is not None
 
     before = _state(requests, vocab)
     cases = []
@@ -370,14 +371,15 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, wal
     cases.append((manager, other, ids, spec))
     for case in cases:
         buffer[:] = 7
-        assert plugin.fast_rows(case[0], case[1], case[2], case[3], None, buffer) is None
+        assert plugin.fast_rows(case[0], case[1], case[2], case[3], 0, buffer) is None
         assert (buffer == 7).all()
-    # strided rows of 1 + 1 per request: every chain fits them, then one is a draft longer
+    # strided rows of 1 + 1 per request (stride 2): every chain fits them, then one is a
+    # draft longer
     fits = {rid: tokens[:1] for rid, tokens in spec.items()}
     longer = dict(fits, r1=fits["r1"] * 2)
     for drafts, taken in ((fits, True), (longer, False)):
         buffer[:] = 7
-        written = plugin.fast_rows(manager, requests, ids, drafts, 1, buffer)
+        written = plugin.fast_rows(manager, requests, ids, drafts, 2, buffer)
         assert (written is not None) == taken
         assert taken or (buffer == 7).all()
         after = _state(requests, vocab)
@@ -386,3 +388,43 @@ def test_unusual_steps_leave_the_fast_path_before_any_matcher_moves(smollm2, wal
         after = _state(requests, vocab)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and (r0 is None or np.array_equal(r0, r1))
+
+
+def test_the_compiled_reader_reads_the_names_it_is_handed(smollm2, monkeypatch):
+    """The compiled step reader knows no attribute name of vLLM's: objects of the same shape
+    under other names are read through the names handed in, with the same rows; vLLM's names
+    then find nothing there (declined), and names that are not a tuple of str are refused."""
+    vocab = smollm2
+    _walks(monkeypatch, True)
+    rng = random.Random("fast/names")
+    requests, spec, expected = _step(rng, vocab, 4, kinds=("valid", "refused"))
+    ids = list(requests)
+    manager = _manager(vocab.words)
+    plugin.build_or_none(manager, requests, ids, spec)  # learns the grammars
+    buffer = manager._grammar_bitmask.numpy()
+    wrappers = {XgrammarGrammar}
+
+    class Renamed:  # vLLM's wrapper under another name, its matcher too
+        def __init__(self, grammar):
+            self.engine_matcher = grammar.matcher
+
+    renamed = {}
+    for rid, request in requests.items():
+        grammar = request.structured_output_request.grammar
+        held = Renamed(grammar)
+        renamed[rid] = SimpleNamespace(state=SimpleNamespace(field=held))
+        # the facts the plugin learnt, for this object
+        monkeypatch.setitem(fast_path._known, id(held), fast_path._known[id(grammar)])
+    names = ("state", "field", "engine_matcher")
+    args = (ids, spec, fast_path._known, {Renamed}, buffer, 0, fast_path._NO_STOPS)
+    buffer[:] = 7
+    out, walked, _ = compiled.vllm_chains(renamed, *args, names)
+    assert walked[2] < 0  # nothing failed
+    np.testing.assert_array_equal(out, np.concatenate(expected))
+    buffer[:] = 7
+    assert compiled.vllm_chains(renamed, *args, fast_path._NAMES) is None
+    assert compiled.vllm_chains(requests, *args[:3], wrappers, *args[4:], names) is None
+    assert (buffer == 7).all()
+    for bad in (["state", "field", "engine_matcher"], ("state", "field"), ("a", "b", 3)):
+        with pytest.raises(TypeError, match="tuple of 3 str"):
+            compiled.vllm_chains(renamed, *args, bad)

@@ -19,8 +19,8 @@ import pytest
 
 from portable_spec import native as compiled
 from portable_spec import testing as samples
-from portable_spec.integrations import _vllm_guidance
-from portable_spec.integrations import vllm as plugin
+from portable_spec.integrations.vllm import bitmask as plugin
+from portable_spec.integrations.vllm import guidance as guidance_path
 from portable_spec.pending import hold_matchers, release_matchers
 
 llguidance = pytest.importorskip("llguidance")
@@ -242,7 +242,8 @@ def test_guidance_steps_match_replay(grammars, layout, way, monkeypatch):
             if manager._grammar_bitmask is not None:
                 manager._grammar_bitmask.numpy()[:] = 7
             read.clear()
-            out = plugin._build_or_none(manager, requests, ids, spec, layout=layout)
+            built = plugin.build_or_none(manager, requests, ids, spec, layout=layout)
+            out = built.rows
             assert taken[-1], f"step {step} left the guidance path"
             if call == "again":  # the wrapper class and tokenizer are known by now
                 assert read == [way == "compiled"]
@@ -257,7 +258,7 @@ def test_guidance_steps_match_replay(grammars, layout, way, monkeypatch):
                     unwritten.extend(range(row, row + tail))
                     row += tail
             assert len(out) == row
-            assert list(manager._portable_spec_unwritten) == unwritten
+            assert built.unwritten == unwritten
 
 
 @pytest.mark.parametrize("way", ["compiled", "python"])
@@ -277,21 +278,21 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     spec = {rid: [rng.randrange(3, 49152)] for rid in requests}
     ids = list(requests)
     manager = _manager()
-    assert plugin._build_or_none(manager, requests, ids, spec) is not None  # learns
+    assert plugin.build_or_none(manager, requests, ids, spec) is not None  # learns
     buffer = manager._grammar_bitmask.numpy()
     before = _states(requests)
     cases = [
-        (manager, requests, dict(spec, r1=[-2]), None),
-        (manager, requests, dict(spec, r1=[49152]), None),
-        (manager, requests, dict(spec, r1=[5, 6]), 1),
+        (manager, requests, dict(spec, r1=[-2]), 0),
+        (manager, requests, dict(spec, r1=[49152]), 0),
+        (manager, requests, dict(spec, r1=[5, 6]), 2),
     ]
     reasoning = _manager(reasoner=object)
-    cases.append((reasoning, requests, spec, None))
+    cases.append((reasoning, requests, spec, 0))
     other = dict(requests, r2=SimpleNamespace(structured_output_request=StructuredOutputRequest(
         SimpleNamespace(ll_matcher=None))))  # fmt: skip
-    cases.append((manager, other, spec, None))
-    for owner, reqs, drafts, stride_k in cases:
-        assert _vllm_guidance.guidance_rows(owner, reqs, ids, drafts, stride_k, buffer) is None
+    cases.append((manager, other, spec, 0))
+    for owner, reqs, drafts, stride in cases:
+        assert guidance_path.guidance_rows(owner, reqs, ids, drafts, stride, buffer) is None
         assert _states(requests) == before
     # objects not shaped as vLLM's: declined, not raised (drafts that are not ints, an id
     # with no request, a wrapper without a tokenizer, a mask wider than the tokenizer's)
@@ -309,12 +310,12 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
         (requests, ids, spec, wide),
     ]
     for reqs, which, drafts, rows in shapes:
-        assert _vllm_guidance.guidance_rows(manager, reqs, which, drafts, None, rows) is None
+        assert guidance_path.guidance_rows(manager, reqs, which, drafts, 0, rows) is None
         assert _states(requests) == before
     matcher = requests["r0"].structured_output_request.grammar.ll_matcher
     token, held = hold_matchers([matcher])
     try:
-        assert _vllm_guidance.guidance_rows(manager, requests, ids, spec, None, buffer) is None
+        assert guidance_path.guidance_rows(manager, requests, ids, spec, 0, buffer) is None
     finally:
         release_matchers(token, held)
     assert _states(requests) == before
@@ -323,10 +324,10 @@ def test_unusual_guidance_steps_decline_before_any_matcher_moves(grammars, way, 
     wrapper = requests["r1"].structured_output_request.grammar
     wrapper.ll_matcher = broken
     # its chain is cut short (it takes nothing), then the matcher is asked: declined
-    assert _vllm_guidance.guidance_rows(manager, requests, ids, spec, None, buffer) is None
+    assert guidance_path.guidance_rows(manager, requests, ids, spec, 0, buffer) is None
     assert _states({k: v for k, v in requests.items() if k != "r1"}) == [before[0], before[2]]
     # a matcher in its error state with no drafts to walk is asked too
-    assert _vllm_guidance.guidance_rows(manager, requests, ids, {}, None, buffer) is None
+    assert guidance_path.guidance_rows(manager, requests, ids, {}, 0, buffer) is None
 
 
 # -- drafts past the tokenizer's vocabulary ---------------------------------------------------
@@ -378,7 +379,7 @@ def test_drafts_past_the_tokenizer_vocabulary_are_refused(grammars, layout, way,
         before = [(m.is_stopped(), _mask(m, PAST_WORDS).tobytes()) for m in matchers]
         manager = _manager(words=PAST_WORDS)
         for _ in ("first", "again"):
-            out = plugin._build_or_none(manager, requests, list(requests), spec, layout=layout)
+            out = plugin.build_or_none(manager, requests, list(requests), spec, layout=layout).rows
             assert taken[-1], f"step {step} left the guidance path"
             assert not any(m.is_error() for m in matchers)
             assert [(m.is_stopped(), _mask(m, PAST_WORDS).tobytes()) for m in matchers] == before
@@ -387,3 +388,14 @@ def test_drafts_past_the_tokenizer_vocabulary_are_refused(grammars, layout, way,
                 np.testing.assert_array_equal(out[row : row + len(rows)], rows)
                 row += K + 1 if layout == "strided" else len(rows)
     assert past_seen > 10
+
+
+def test_the_compiled_reader_takes_its_attribute_names_as_a_tuple_of_str(grammars):
+    if compiled.native is None:
+        pytest.skip("the compiled helper is not built")
+    buffer = np.zeros((4, WORDS), dtype=np.int32)
+    args = ({}, [], {}, set(), guidance_path._eos, buffer, 0)
+    assert compiled.vllm_guidance(*args, guidance_path._NAMES) is None  # an empty step
+    for bad in (list(guidance_path._NAMES), guidance_path._NAMES[:4], (*"abcd", 5)):
+        with pytest.raises(TypeError, match="tuple of 5 str"):
+            compiled.vllm_guidance(*args, bad)

@@ -1,7 +1,7 @@
 /* vllm_guidance: the vLLM plugin's step with the guidance backend, read straight from vLLM's
-   objects (its request dict, each request's structured_output_request._grammar, that
-   wrapper's `terminated` flag, `ll_matcher` and `ll_tokenizer`, the scheduled draft lists)
-   and written with one llguidance call per request: LLMatcher's
+   objects (its request dict, each request's grammar wrapper, that wrapper's terminated flag,
+   llguidance matcher and tokenizer, through the attribute names the plugin hands it; the
+   scheduled draft lists) and written with one llguidance call per request: LLMatcher's
    unsafe_compute_mask_ptr_with_draft_token, which writes the root row and one row per draft
    the matcher consumes (llguidance releases the GIL while it computes them) and leaves the
    matcher where it started. ps_guidance_tail then writes the rows vLLM derives from where the
@@ -23,14 +23,21 @@
    are held in the held table for the whole step.
 
    A part of module.c (one translation unit): it uses arrays.c, walk.c (the Walk and its held
-   table), vllm.c (the names of vLLM's request fields) and llguidance.c (its method calls). */
+   table), vllm.c (the step readers it shares) and llguidance.c (its method calls). */
 
-static PyObject *s_ll_matcher, *s_ll_tokenizer, *s_terminated, *s_fill_chain;
+static PyObject *s_fill_chain;
+
+/* The roles of the attribute names vllm_guidance is handed: a request's structured-output
+   state, its grammar wrapper field, then the wrapper's terminated flag, llguidance tokenizer
+   and matcher. */
+enum { GNAME_STATE, GNAME_GRAMMAR, GNAME_TERMINATED, GNAME_TOKENIZER, GNAME_MATCHER,
+       GUIDANCE_NAMES };
 
 /* What vllm_guidance read of the step: per request its matcher (a reference in the walk;
    none for a terminated wrapper), end token, vocabulary and drafts (copied back to back). */
 typedef struct {
     Walk w;          /* the matchers, held as the compiled walks hold theirs */
+    PyObject *const *names; /* GUIDANCE_NAMES attribute names (borrowed for the call) */
     int64_t *tokens; /* every request's drafts back to back (owned) */
     int64_t *first;  /* [n + 1]: each request's first draft in `tokens` (owned) */
     int64_t *eos;    /* [n]: each request's end token (owned) */
@@ -50,11 +57,6 @@ static void gstep_clear(GStep *s) {
 static int intern_guidance_names(void) {
 #define INTERN(var, text) \
     if (var == NULL && (var = PyUnicode_InternFromString(text)) == NULL) return -1
-    INTERN(s_request, "structured_output_request");
-    INTERN(s_grammar, "_grammar");
-    INTERN(s_ll_matcher, "ll_matcher");
-    INTERN(s_ll_tokenizer, "ll_tokenizer");
-    INTERN(s_terminated, "terminated");
     INTERN(s_fill_chain, "unsafe_compute_mask_ptr_with_draft_token");
 #undef INTERN
     return intern_llguidance_names();
@@ -104,18 +106,18 @@ static int gstep_drafts(GStep *s, Py_ssize_t b, PyObject *tokens, Py_ssize_t str
    token and vocabulary size (the mask as wide as that vocabulary's). 1, or 0 to decline (an
    error may be set). */
 static int gstep_wrapper(GStep *s, Py_ssize_t b, PyObject *grammar, PyObject *ends) {
-    PyObject *flag = PyObject_GetAttr(grammar, s_terminated);
+    PyObject *flag = PyObject_GetAttr(grammar, s->names[GNAME_TERMINATED]);
     if (flag == NULL) return 0;
     int terminated = PyObject_IsTrue(flag);
     Py_DECREF(flag);
     if (terminated < 0) return 0;
-    PyObject *tokenizer = PyObject_GetAttr(grammar, s_ll_tokenizer);
+    PyObject *tokenizer = PyObject_GetAttr(grammar, s->names[GNAME_TOKENIZER]);
     if (tokenizer == NULL) return 0;
     int known = gstep_end_token(ends, tokenizer, &s->eos[b], &s->vocab[b]) == 0 &&
                 (s->vocab[b] + 31) / 32 == (int64_t)s->words; /* the mask is the tokenizer's */
     Py_DECREF(tokenizer);
     if (!known || terminated) return known;
-    PyObject *matcher = PyObject_GetAttr(grammar, s_ll_matcher);
+    PyObject *matcher = PyObject_GetAttr(grammar, s->names[GNAME_MATCHER]);
     if (matcher == NULL) return 0;
     s->w.matchers[b] = matcher; /* the reference moves into the walk */
     return 1;
@@ -133,10 +135,10 @@ static int gstep_read(GStep *s, Py_ssize_t b, PyObject *id, PyObject *requests, 
     PyObject *request = ok ? PyDict_GetItemWithError(requests, id) : NULL;
     if (request == NULL) return 0;
     Py_INCREF(request); /* the attribute reads may run Python code */
-    PyObject *held = PyObject_GetAttr(request, s_request);
+    PyObject *held = PyObject_GetAttr(request, s->names[GNAME_STATE]);
     Py_DECREF(request);
     if (held == NULL) return 0;
-    PyObject *grammar = PyObject_GetAttr(held, s_grammar);
+    PyObject *grammar = PyObject_GetAttr(held, s->names[GNAME_GRAMMAR]);
     Py_DECREF(held);
     if (grammar == NULL) return 0;
     ok = PySet_Contains(wrappers, (PyObject *)Py_TYPE(grammar)) == 1 &&
@@ -276,12 +278,13 @@ static int gstep_write(GStep *s, int32_t *rows, Py_ssize_t capacity, Py_ssize_t 
 
 static PyObject *vllm_guidance(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *requests, *ids, *spec, *wrappers, *ends, *buffer;
+    PyObject *requests, *ids, *spec, *wrappers, *ends, *buffer, *names;
     Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "OOOO!O!On", &requests, &ids, &spec, &PySet_Type, &wrappers,
-                          &PyDict_Type, &ends, &buffer, &stride))
+    if (!PyArg_ParseTuple(args, "OOOO!O!OnO", &requests, &ids, &spec, &PySet_Type, &wrappers,
+                          &PyDict_Type, &ends, &buffer, &stride, &names))
         return NULL;
-    if (intern_guidance_names() != 0) return NULL;
+    PyObject *const *read = step_names(names, GUIDANCE_NAMES);
+    if (read == NULL || intern_guidance_names() != 0) return NULL;
     if (!PyDict_CheckExact(requests) || !PyList_CheckExact(ids) || !PyDict_CheckExact(spec) ||
         stride < 0)
         Py_RETURN_NONE;
@@ -289,6 +292,7 @@ static PyObject *vllm_guidance(PyObject *self, PyObject *args) {
     if (array_get(buffer, &view, 1, 'i', 4, 2, "rows") != 0) return NULL;
     GStep s;
     memset(&s, 0, sizeof(s));
+    s.names = read;
     s.words = view.view.shape[1];
     s.capacity = view.view.shape[0];
     PyObject *result = NULL, *unwritten = PyList_New(0);

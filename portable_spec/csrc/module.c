@@ -11,7 +11,7 @@
  *   walk_entries.c   xgrammar_traverse, walk_chains, walk_trees
  *   pack.c           draft lists packed into a walk; pack_chains
  *   masks.c          chain_masks, span_masks, tree_masks
- *   vllm.c           vllm_chains, read from vLLM's objects
+ *   vllm.c           vllm_chains, read from vLLM's objects (the attribute names handed in)
  *   llguidance.c     llguidance_walk: an llguidance matcher's walk, its methods called from C
  *   llguidance_entries.c  llguidance_walks, llguidance_masks: batches of them
  *   guidance.c       vllm_guidance: vLLM's guidance step, one llguidance call per request
@@ -91,8 +91,8 @@ static PyMethodDef methods[] = {
      "pack_chains(drafts, matchers, stride, vocab_size, ends, active, rows, valid[, limit, "
      "stop_ids, seconds, repeat, plain]) -> packed, walked or None (GIL released to walk)."},
     {"vllm_chains", vllm_chains, METH_VARARGS,
-     "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends) -> "
-     "(rows used, walked, drafts) or None (GIL released to walk)."},
+     "vllm_chains(requests, ids, spec_tokens, known, wrapper_types, rows, stride, no_ends, "
+     "names) -> (rows used, walked, drafts) or None (GIL released to walk)."},
     {"llguidance_walk", llguidance_walk, METH_VARARGS,
      "llguidance_walk(matcher, next_token, next_sibling, draft, rows, limit, chain) -> (filled, "
      "checked, rejected)."},
@@ -103,8 +103,8 @@ static PyMethodDef methods[] = {
      "llguidance_masks(grammars, next_token, next_sibling, tokens, vocab_size, out, want_valid, "
      "matcher_type, widths, threshold) -> (mask, valid, failed, error, slow) or None."},
     {"vllm_guidance", vllm_guidance, METH_VARARGS,
-     "vllm_guidance(requests, ids, spec_tokens, wrapper_types, end_tokens, rows, stride) -> "
-     "(rows used, unwritten rows) or None."},
+     "vllm_guidance(requests, ids, spec_tokens, wrapper_types, end_tokens, rows, stride, names) "
+     "-> (rows used, unwritten rows) or None."},
     {"chain_masks", chain_masks, METH_VARARGS,
      "chain_masks(grammars, drafts, rows_per_request, vocab_size, ends, active, out, "
      "want_valid, max_rows, threshold) -> (mask, valid, failed, message, extra) or None."},

@@ -1,17 +1,36 @@
 /* vllm_chains: the vLLM plugin's common step read straight from vLLM's objects (its request
-   dict, each request's structured_output_request._grammar and that grammar's matcher, the
-   scheduled draft lists), then packed and walked as pack_chains does with `repeat` and
-   `plain`. Reading vLLM's objects runs Python code (attribute reads, key comparisons), which
-   may change or free anything borrowed: every object is held by a reference from the moment
-   it is read. */
+   dict, each request's grammar wrapper and that wrapper's matcher, the scheduled draft lists),
+   then packed and walked as pack_chains does with `repeat` and `plain`. The attributes read
+   are the ones the plugin names when it calls (`names`, made once by its internals.py): this
+   file knows the shape of vLLM's objects, not their names. Reading them runs Python code
+   (attribute reads, key comparisons), which may change or free anything borrowed: every
+   object is held by a reference from the moment it is read. */
 
-static PyObject *s_request, *s_grammar, *s_matcher;
+/* The roles of the attribute names vllm_chains is handed: a request's structured-output
+   state, the grammar wrapper field behind its property, the wrapper's xgrammar matcher. */
+enum { NAME_STATE, NAME_GRAMMAR, NAME_MATCHER, CHAIN_NAMES };
+
+/* The `n` attribute names a step reader was handed: the items of an exact tuple of exact str
+   (borrowed: the caller's arguments hold the tuple, which nothing can change, for the whole
+   call), or NULL with a TypeError set. */
+static PyObject *const *step_names(PyObject *names, Py_ssize_t n) {
+    Py_ssize_t found = -1;
+    PyObject *const *items = PyTuple_CheckExact(names) ? sequence_items(names, &found) : NULL;
+    for (Py_ssize_t i = 0; items != NULL && i < found; i++)
+        if (!PyUnicode_CheckExact(items[i])) items = NULL;
+    if (items == NULL || found != n) {
+        PyErr_Format(PyExc_TypeError, "the attribute names must be a tuple of %zd str", n);
+        return NULL;
+    }
+    return items;
+}
 
 /* What vllm_chains read of the step: per request its drafts and matcher (references, in
    lists), its matcher's facts, the stop tokens they share and the rows the step needs. */
 typedef struct {
     PyObject *drafts, *matchers, *stops;
     Facts *facts;
+    PyObject *const *names; /* CHAIN_NAMES attribute names (borrowed for the call) */
     Py_ssize_t n, words, rows, capacity;
 } Step;
 
@@ -28,16 +47,16 @@ static void step_clear(Step *s) {
    in *stops, or NULL (an error may be set: the caller declines either way). The entry is
    read while this function holds the wrapper: dropping it may run the weak reference's
    callback, which removes the entry and frees what only the entry held. */
-static PyObject *step_matcher(PyObject *request, PyObject *known, PyObject *wrappers,
-                              Py_ssize_t words, Facts *f, PyObject **stops) {
-    PyObject *held = PyObject_GetAttr(request, s_request);
+static PyObject *step_matcher(PyObject *request, PyObject *const *names, PyObject *known,
+                              PyObject *wrappers, Py_ssize_t words, Facts *f, PyObject **stops) {
+    PyObject *held = PyObject_GetAttr(request, names[NAME_STATE]);
     if (held == NULL) return NULL;
-    PyObject *grammar = PyObject_GetAttr(held, s_grammar);
+    PyObject *grammar = PyObject_GetAttr(held, names[NAME_GRAMMAR]);
     Py_DECREF(held);
     if (grammar == NULL) return NULL;
     PyObject *matcher = NULL, *key = NULL;
     if (PySet_Contains(wrappers, (PyObject *)Py_TYPE(grammar)) == 1 &&
-        (matcher = PyObject_GetAttr(grammar, s_matcher)) != NULL &&
+        (matcher = PyObject_GetAttr(grammar, names[NAME_MATCHER])) != NULL &&
         (key = PyLong_FromVoidPtr(grammar)) != NULL) {
         /* made by the Python side; the lookup of an exact int key runs no Python code */
         PyObject *entry = PyDict_GetItemWithError(known, key);
@@ -73,7 +92,8 @@ static int step_read(Step *s, Py_ssize_t b, PyObject *id, PyObject *requests, Py
     if (request == NULL) return 0;
     Py_INCREF(request); /* the attribute reads may run Python code */
     PyObject *stops = NULL;
-    PyObject *matcher = step_matcher(request, known, wrappers, s->words, &s->facts[b], &stops);
+    PyObject *matcher =
+        step_matcher(request, s->names, known, wrappers, s->words, &s->facts[b], &stops);
     Py_DECREF(request);
     if (matcher == NULL) return 0;
     PyList_SET_ITEM(s->matchers, b, matcher);
@@ -155,16 +175,13 @@ done:
 
 static PyObject *vllm_chains(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *requests, *ids, *spec, *known, *wrappers, *buffer, *no_ends;
+    PyObject *requests, *ids, *spec, *known, *wrappers, *buffer, *no_ends, *names;
     Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "OOOO!O!OnO", &requests, &ids, &spec, &PyDict_Type, &known,
-                          &PySet_Type, &wrappers, &buffer, &stride, &no_ends))
+    if (!PyArg_ParseTuple(args, "OOOO!O!OnOO", &requests, &ids, &spec, &PyDict_Type, &known,
+                          &PySet_Type, &wrappers, &buffer, &stride, &no_ends, &names))
         return NULL;
-    if ((s_request == NULL && (s_request = PyUnicode_InternFromString(
-                                   "structured_output_request")) == NULL) ||
-        (s_grammar == NULL && (s_grammar = PyUnicode_InternFromString("_grammar")) == NULL) ||
-        (s_matcher == NULL && (s_matcher = PyUnicode_InternFromString("matcher")) == NULL))
-        return NULL;
+    PyObject *const *read = step_names(names, CHAIN_NAMES);
+    if (read == NULL) return NULL;
     if (!PyDict_CheckExact(requests) || !PyList_CheckExact(ids) || !PyDict_CheckExact(spec) ||
         stride < 0)
         Py_RETURN_NONE;
@@ -173,6 +190,7 @@ static PyObject *vllm_chains(PyObject *self, PyObject *args) {
     Py_ssize_t capacity = view.view.shape[0];
     Step s;
     memset(&s, 0, sizeof(s));
+    s.names = read;
     s.words = view.view.shape[1];
     s.capacity = capacity;
     array_release(&view);

@@ -9,8 +9,9 @@ logs one warning naming what differs, patches nothing and the engine runs its ow
 
 Also here: :func:`read_mode` (the ``1``/``shadow``/``0`` switch every integration reads from
 its environment variable), :class:`ImportHook` (patch when a module is imported, for engines
-that start their workers in processes of their own) and :class:`Stats` (one shape of counters,
-series and per-batch timings for every integration's ``integration_stats()``).
+that start their workers in processes of their own), :class:`Stats` (one shape of counters,
+series and per-batch timings for every integration's ``integration_stats()``) and
+:class:`LogOnce` (a message per kind of event, once per process, in the engine's log).
 
 Nothing here imports an engine; :func:`resolve` imports a target's module when asked.
 """
@@ -36,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "ImportHook",
+    "LogOnce",
     "Patch",
     "PatchSet",
     "Revision",
@@ -100,12 +102,15 @@ class Patch:
 
     ``target``: ``"package.module:Qualified.name"``. ``make``: called once with the engine's
     function, returns its replacement; ``None`` for a function the integration relies on
-    without replacing it (its source is checked all the same). ``rebind``: the replacement
-    also takes the place of every module-level name bound to the original when the patch set
-    is installed (``from module import name`` in modules imported before; modules imported
-    after read the patched attribute anyway). ``fixes``: for a patch that works around a bug
-    of the engine rather than adding the mask, the name of that bug in the integration's
-    upstream notes; such a patch is dropped from a revision's table once the engine fixes it.
+    without replacing it (its source is checked all the same). Several patches may name one
+    target (a fix of the engine's function and the mask work on it): they are stacked in the
+    order of the table, each ``make`` given what the one before made (the first: the engine's
+    function). ``rebind``: the replacement also takes the place of every module-level name
+    bound to the original when the patch set is installed (``from module import name`` in
+    modules imported before; modules imported after read the patched attribute anyway).
+    ``fixes``: for a patch that works around a bug of the engine rather than adding the mask,
+    the name of that bug in the integration's upstream notes; once the engine fixes it, a
+    revision leaves the patch out (it omits the target, or names the bug in its ``fixed``).
     """
 
     target: str
@@ -117,12 +122,14 @@ class Patch:
 @dataclass(frozen=True)
 class Revision:
     """A release of the engine the integration knows: ``version``, the prefix of the version
-    the engine reports (``"0.32"`` matches ``"0.32.0"`` and ``"0.32.1"``, not ``"0.321"``), and
-    ``sources``, the :func:`source_hash` of every target at that release. Only the patches
-    whose target is listed are installed for it."""
+    the engine reports (``"0.32"`` matches ``"0.32.0"`` and ``"0.32.1"``, not ``"0.321"``; ``""``
+    any version), ``sources``, the :func:`source_hash` of every target at that release, and
+    ``fixed``, the engine bugs (:attr:`Patch.fixes`) the release no longer has. The patches
+    installed for it are those whose target is listed and whose bug is not fixed."""
 
     version: str
     sources: Mapping[str, str] = field(default_factory=dict)
+    fixed: frozenset[str] = frozenset()
 
     def matches_version(self, version: str) -> bool:
         if not self.version:
@@ -149,13 +156,17 @@ class PatchSet:
         version: Callable[[], str | None],
         logger: logging.Logger,
     ) -> None:
-        targets = [p.target for p in patches]
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"{engine}: a target is patched twice")
+        targets = {p.target for p in patches}
+        bugs = {p.fixes for p in patches if p.fixes}
         for label, revision in revisions.items():
-            unknown = set(revision.sources) - set(targets)
+            unknown = set(revision.sources) - targets
             if unknown:
                 raise ValueError(f"{engine} {label}: sources of unpatched targets {unknown}")
+            if set(revision.fixed) - bugs:
+                raise ValueError(
+                    f"{engine} {label}: fixed bugs no patch works around "
+                    f"{set(revision.fixed) - bugs}"
+                )
         self.engine = engine
         self.patches = tuple(patches)
         self.revisions = dict(revisions)
@@ -172,12 +183,31 @@ class PatchSet:
         """Whether the patches are in place in this process."""
         return self.revision is not None
 
+    def installs(self, label: str) -> tuple[Patch, ...]:
+        """The patches that replace a function at revision ``label``, in table order."""
+        revision = self.revisions[label]
+        return tuple(
+            p
+            for p in self.patches
+            if p.make is not None and p.target in revision.sources and p.fixes not in revision.fixed
+        )
+
     def original(self, target: str) -> Any:
         """The engine's own function behind ``target`` (patched or not)."""
         with self._lock:
             if target in self._applied:
                 return getattr(self._applied[target][3], _ORIGINAL)
         return resolve(target)[2]
+
+    def sources(self) -> dict[str, str | None]:
+        """The :func:`source_hash` of every target in this process's engine (None: missing, or
+        no source to read): what a new :class:`Revision` of the table lists."""
+        return {patch.target: _hash_or_none(patch.target) for patch in self.patches}
+
+    def reset_warning(self) -> None:
+        """Let the next :meth:`install` that does not recognise the engine warn again."""
+        with self._lock:
+            self._warned = False
 
     def recognise(self) -> tuple[str | None, str]:
         """``(label, "")`` of the known revision the installed engine is, or ``(None, why)``."""
@@ -213,16 +243,17 @@ class PatchSet:
                         why,
                     )
                 return False
-            listed = self.revisions[label].sources
+            stacks: dict[str, list[Patch]] = {}
+            for patch in self.installs(label):
+                stacks.setdefault(patch.target, []).append(patch)
             try:
-                for patch in self.patches:
-                    if patch.make is not None and patch.target in listed:
-                        self._apply(patch)
+                for target, stack in stacks.items():
+                    self._apply(target, stack)
             except BaseException:
                 self._restore()
                 raise
             self.revision = label
-        replaced = sum(1 for p in self.patches if p.make is not None and p.target in listed)
+        replaced = len(stacks)
         self._logger.info(
             "portable_spec: %s %s patched (%d functions replaced)", self.engine, label, replaced
         )
@@ -235,21 +266,24 @@ class PatchSet:
             self._restore()
             self.revision = None
 
-    def _apply(self, patch: Patch) -> None:
-        owner, attribute, original = resolve(patch.target)
+    def _apply(self, target: str, stack: Sequence[Patch]) -> None:
+        """Replace ``target`` by its ``stack`` of patches, the first made from the engine's own."""
+        owner, attribute, original = resolve(target)
         own = vars(owner).get(attribute, _MISSING) if isinstance(owner, type) else original
         binder = type(own) if isinstance(own, (staticmethod, classmethod)) else None
         if binder is not None:  # the replacement is made from, and bound like, the function
             original = own.__func__
-        assert patch.make is not None
-        replacement = patch.make(original)
-        setattr(replacement, _ORIGINAL, original)
-        for name in ("__doc__", "__name__", "__qualname__"):
-            with contextlib.suppress(AttributeError, TypeError):
-                setattr(replacement, name, getattr(original, name))
+        replacement = original
+        for patch in stack:
+            assert patch.make is not None
+            replacement = patch.make(replacement)
+            setattr(replacement, _ORIGINAL, original)
+            for name in ("__doc__", "__name__", "__qualname__"):
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(replacement, name, getattr(original, name))
         setattr(owner, attribute, replacement if binder is None else binder(replacement))
-        self._applied[patch.target] = (owner, attribute, own, replacement)
-        if patch.rebind:
+        self._applied[target] = (owner, attribute, own, replacement)
+        if any(patch.rebind for patch in stack):
             for module in list(sys.modules.values()):
                 names = getattr(module, "__dict__", None)
                 if module is owner or not isinstance(names, dict):
@@ -385,19 +419,63 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
+class LogOnce:
+    """Log each kind of event once per process (until :meth:`reset`): a step an integration
+    leaves to the engine's own code says why the first time only. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, key: str) -> bool:
+        """True the first time ``key`` is asked for (since the last :meth:`reset`). Takes no
+        lock once ``key`` was seen (a step's hot path may ask every time)."""
+        if key in self._seen:
+            return False
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def warning(self, key: str, message: str, *args: Any) -> None:
+        """``logger.warning(message, *args)`` the first time ``key`` is seen."""
+        if self.first(key):
+            self.logger.warning(message, *args)
+
+    def info(self, key: str, message: str, *args: Any) -> None:
+        """``logger.info(message, *args)`` the first time ``key`` is seen."""
+        if self.first(key):
+            self.logger.info(message, *args)
+
+    def reset(self) -> None:
+        """Every kind may be logged again."""
+        with self._lock:
+            self._seen.clear()
+
+
 class Stats:
     """Thread-safe counters, bounded series and per-batch timings of one integration.
 
     ``counters``: names counted with :meth:`add`; ``series``: names whose last ``history``
     values :meth:`sample` keeps (seconds waited, rows per step...); :meth:`time` keeps the
-    last ``history`` durations per build name and batch size. :meth:`snapshot` never blocks.
+    last ``history`` durations per build name and batch size; ``builds``: build names listed
+    in every snapshot, timed or not (an integration's own and the engine's, say).
+    :meth:`snapshot` never blocks.
     """
 
     def __init__(
-        self, counters: Sequence[str], series: Sequence[str] = (), *, history: int = 4096
+        self,
+        counters: Sequence[str],
+        series: Sequence[str] = (),
+        *,
+        builds: Sequence[str] = (),
+        history: int = 4096,
     ) -> None:
         self._names = tuple(counters)
         self._series_names = tuple(series)
+        self._builds = tuple(builds)
         self._history = history
         self._lock = threading.Lock()
         self.reset()
@@ -408,15 +486,31 @@ class Stats:
             self._series: dict[str, deque[float]] = {
                 n: deque(maxlen=self._history) for n in self._series_names
             }
-            self._times: dict[str, dict[int, deque[float]]] = {}
+            self._times: dict[str, dict[int, deque[float]]] = {b: {} for b in self._builds}
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, name: str, n: int = 1) -> int:
+        """Add ``n`` to counter ``name``; returns its new value (KeyError for an unknown name)."""
         with self._lock:
-            self._counters[name] += n
+            value = self._counters[name] + n
+            self._counters[name] = value
+            return value
 
     def sample(self, name: str, value: float) -> None:
         with self._lock:
             self._series[name].append(value)
+
+    def update(self, counts: Mapping[str, int], samples: Mapping[str, float] | None = None) -> None:
+        """Several counters (``name: n``) and series values at once, under one lock (a step's
+        bookkeeping in one call). Raises KeyError for an unknown name, counting nothing."""
+        samples = samples or {}
+        with self._lock:
+            unknown = (counts.keys() - self._counters) | (samples.keys() - self._series)
+            if unknown:
+                raise KeyError(f"not counted here: {sorted(unknown)}")
+            for name, n in counts.items():
+                self._counters[name] += n
+            for name, value in samples.items():
+                self._series[name].append(value)
 
     def time(self, build: str, batch: int, seconds: float) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 DRAFT = os.path.join(ROOT, ".sglang-jax", "eagle3-draft")
 #: what the engine runs generate: the sample cases, a few tokens each (CPU time)
 MAX_NEW_TOKENS = 20
-INSTALL_LINE = "portable_spec: grammar masks on sglang-jax's speculative verify"
+INSTALL_LINE = "portable_spec: sglang-jax cddbf6f1 patched"
 
 
 def launch(out_dir: Path, config: dict, env: dict | None = None) -> tuple[dict | None, str, int]:

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 import portable_spec as ps
-from portable_spec.integrations import _sglang_jax_fused as fused
 from portable_spec.integrations import sglang_jax as integration
+from portable_spec.integrations.sglang_jax import fixes, fused
 
 STEPS, NODES = 3, 4
 
@@ -181,7 +181,13 @@ def test_the_overlap_loop_processes_the_previous_result_before_a_grammar_step():
         calls.append(("run", batch.name, [entry[0].forward_mode for entry in self.result_queue]))
         return "result"
 
-    wrapped = fused.run_batch(launch, lambda batch: batch.grammar)
+    def batch(name, grammar):
+        reqs = [SimpleNamespace(grammar=None), SimpleNamespace(grammar=grammar)]
+        return SimpleNamespace(
+            name=name, forward_mode=ForwardMode.DECODE, reqs_info=[SimpleNamespace(reqs=reqs)]
+        )
+
+    wrapped = fixes.RUN_ORDER.make(launch)
     previous = SimpleNamespace(name="t-1", forward_mode=ForwardMode.DECODE)
     scheduler = SimpleNamespace(
         enable_overlap=True,
@@ -189,11 +195,14 @@ def test_the_overlap_loop_processes_the_previous_result_before_a_grammar_step():
         result_queue=deque([(previous, "result t-1")]),
         process_batch_result=lambda b, r, done: calls.append(("process", b.name, r, done)),
     )
-    free = SimpleNamespace(name="free", forward_mode=ForwardMode.DECODE, grammar=False)
-    wrapped(scheduler, free)
-    assert calls == [("run", "free", [ForwardMode.DECODE])]  # no grammar: the loop's own order
-    calls.clear()
-    constrained = SimpleNamespace(name="t", forward_mode=ForwardMode.DECODE, grammar=True)
+    ended = S.grammar("json")
+    ended.finished = True
+    for free in (batch("free", None), batch("ended", ended)):
+        wrapped(scheduler, free)
+        # no active grammar: the loop's own order
+        assert calls == [("run", free.name, [ForwardMode.DECODE])]
+        calls.clear()
+    constrained = batch("t", S.grammar("json"))
     wrapped(scheduler, constrained)
     assert calls == [
         ("process", "t-1", "result t-1", None),

@@ -42,26 +42,49 @@ def test_unset_or_off_imports_nothing(value):
     assert run(STARTUP, value) == []
 
 
-def test_set_waits_for_the_scheduler_and_installs_when_it_is_created():
+@pytest.mark.parametrize("value", ["1", " On "])
+def test_set_waits_for_the_scheduler_and_installs_when_it_is_created(value):
     code = """
 import json, sys
-hooked = 'portable_spec.integrations.sglang_jax_hook' in sys.modules
-from portable_spec.integrations import sglang_jax, sglang_jax_hook
-early = [sglang_jax_hook.watching(), sglang_jax.installed()]
+hooked = 'portable_spec.integrations.sglang_jax.hook' in sys.modules
+from portable_spec.integrations import sglang_jax
+from portable_spec.integrations.sglang_jax import hook
+early = [hook.watching(), sglang_jax.is_installed()]
 import sgl_jax.srt.managers.scheduler as scheduler
 from sgl_jax.srt.speculative.eagle_info import EagleVerifyInput
-before = [sglang_jax.installed(), hasattr(EagleVerifyInput.sample, '_portable_spec_original')]
+patched = lambda: hasattr(EagleVerifyInput.sample, '__portable_spec_original__')
+before = [sglang_jax.is_installed(), patched()]
 try:
     scheduler.Scheduler(None, None)  # installs first, then sglang-jax's own __init__ fails
 except Exception:
     pass
-after = [sglang_jax.installed(), hasattr(EagleVerifyInput.sample, '_portable_spec_original')]
-print(json.dumps({'hooked': hooked, 'early': early, 'before': before, 'after': after}))
+after = [sglang_jax.is_installed(), patched()]
+hook.deactivate()
+sglang_jax.uninstall()
+own_init = not hasattr(scheduler.Scheduler.__init__, '__wrapped__')
+print(json.dumps({'hooked': hooked, 'early': early, 'before': before, 'after': after,
+                  'given back': [own_init, patched(), hook.watching()]}))
 """
-    report = run(code, "1")
+    report = run(code, value)
     assert report == {
         "hooked": True,
         "early": [True, False],
         "before": [False, False],
         "after": [True, True],
+        "given back": [True, False, False],
     }
+
+
+@pytest.mark.parametrize("value", ["yes", "shadow"])
+def test_any_other_value_is_refused_on_stderr_and_patches_nothing(value):
+    env = dict(os.environ, PORTABLE_SPEC_SGLANG_JAX=value)
+    code = (
+        "import json; from portable_spec.integrations.sglang_jax import hook; "
+        "print(json.dumps(hook.watching()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+    refusals = [line for line in out.stderr.splitlines() if "PORTABLE_SPEC_SGLANG_JAX=" in line]
+    assert len(refusals) == 1 and repr(value) in refusals[0], out.stderr[-2000:]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from portable_spec.integrations import sglang_jax as integration
+from portable_spec.integrations.patching import PatchSet, Revision
 
 # (topk, steps, nodes): EAGLE trees, and a chain (EAGLE3 / NEXTN with topk 1)
 CONFIGS = {"tree-4x3-8": (4, 3, 8), "tree-2x4-6": (2, 4, 6), "chain-3": (1, 3, 4)}
@@ -236,11 +237,22 @@ def test_an_unknown_revision_logs_once_and_keeps_sglang_jax_code(monkeypatch, ca
 
     integration.uninstall()
     own = EagleVerifyInput.sample
-    known = {k: dict(v) for k, v in integration.KNOWN_SOURCES.items()}
-    for v in known.values():
-        v[next(iter(v))] = "0" * 64
-    monkeypatch.setattr(integration, "KNOWN_SOURCES", known)
+    known = {}
+    for label, revision in integration.REVISIONS.items():
+        sources = dict(revision.sources)
+        sources[next(iter(sources))] = "0" * 64  # one function's source differs
+        known[label] = Revision(revision.version, sources, revision.fixed)
+    patch_set = PatchSet(
+        "sglang-jax",
+        patches=integration.PATCHES,
+        revisions=known,
+        version=lambda: "0.0.0.dev0",
+        logger=logging.getLogger("sgl_jax.portable_spec"),
+    )
+    monkeypatch.setattr(integration, "_PATCH_SET", patch_set)
     with caplog.at_level(logging.WARNING, logger="sgl_jax.portable_spec"):
         assert integration.install() is False
-    assert EagleVerifyInput.sample is own and not integration.installed()
-    assert len([r for r in caplog.records if "not a revision" in r.getMessage()]) == 1
+        assert integration.install() is False
+    assert EagleVerifyInput.sample is own and not integration.is_installed()
+    lines = [r.getMessage() for r in caplog.records if "not a release" in r.getMessage()]
+    assert len(lines) == 1 and next(iter(known["cddbf6f1"].sources)) in lines[0]

@@ -433,12 +433,12 @@ def _vllm_rows(
     from portable_spec.integrations import vllm as plugin
 
     if mask_source == "plugin":
-        plugin.set_mode("on")
+        assert plugin.install("on")
     try:
         rows = StructuredOutputManager.grammar_bitmask(manager, requests, ids, spec)
     finally:
         if mask_source == "plugin":
-            plugin.set_mode("off")
+            plugin.uninstall()
     return np.array(rows, copy=True)  # vLLM reuses its buffer next step; the runner gets a copy
 
 

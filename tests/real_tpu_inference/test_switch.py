@@ -105,25 +105,34 @@ def _methods(tpu):
 
 
 @pytest.mark.parametrize("unknown", ["tpu-inference", "vllm"])
-def test_unknown_versions_keep_tpu_inference_code(tpu, monkeypatch, caplog, unknown):
+def test_unknown_releases_keep_tpu_inference_code(tpu, monkeypatch, caplog, unknown):
+    """Another tpu-inference version, or a vLLM whose rows are not 0.32's (its grammar_bitmask
+    of another source): nothing patched, one log line."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
     from portable_spec.integrations import tpu_inference
+    from portable_spec.integrations.tpu_inference import runner
 
     tpu_inference.uninstall()
+    tpu_inference.reset_stats()
     own = _methods(tpu)
+    assert runner.patch_set().recognise() == ("0.32", "")
     if unknown == "tpu-inference":
-        monkeypatch.setattr(tpu_inference, "_tpu_inference_version", lambda: "0.33.0")
+        monkeypatch.setattr(runner, "version", lambda: "0.33.0")
     else:
-        import vllm
 
-        monkeypatch.setattr(vllm, "__version__", "0.34.0")
+        def grammar_bitmask(self, requests, ids, spec):  # rows laid out some other way
+            return None
+
+        monkeypatch.setattr(StructuredOutputManager, "grammar_bitmask", grammar_bitmask)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert tpu_inference.install() is False
         assert tpu_inference.install() is False
     assert _methods(tpu) == own
     assert not tpu_inference.is_installed()
-    lines = [r for r in caplog.records if r.name == LOGGER]
-    assert len(lines) == 1 and "own structured decoding" in lines[0].getMessage()
-    assert tpu_inference.versions_known("0.32.0", "0.32.0")
-    assert not tpu_inference.versions_known("0.31.0", "0.32.0")
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1 and "its own code runs" in lines[0]
+    assert ("0.33.0" if unknown == "tpu-inference" else "grammar_bitmask") in lines[0]
 
 
 def test_switched_by_the_vllm_plugin_variable(tpu, monkeypatch):
@@ -132,9 +141,13 @@ def test_switched_by_the_vllm_plugin_variable(tpu, monkeypatch):
 
     from portable_spec.integrations import tpu_inference
     from portable_spec.integrations import vllm as plugin
+    from portable_spec.integrations.entry_points import vllm_general_plugins
 
     names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert names.get("portable_spec") == "portable_spec.integrations.vllm:register"
+    assert names.get("portable_spec") == (
+        "portable_spec.integrations.entry_points:vllm_general_plugins"
+    )
+    assert tpu_inference.ENV_VAR == plugin.ENV_VAR
     tpu_inference.uninstall()
     own = _methods(tpu)
     try:
@@ -143,14 +156,14 @@ def test_switched_by_the_vllm_plugin_variable(tpu, monkeypatch):
                 monkeypatch.delenv(plugin.ENV_VAR, raising=False)
             else:
                 monkeypatch.setenv(plugin.ENV_VAR, value)
-            plugin.register()
+            vllm_general_plugins()
             assert _methods(tpu) == own and not tpu_inference.is_installed(), value
         monkeypatch.setenv(plugin.ENV_VAR, "1")
-        plugin.register()
+        vllm_general_plugins()
         assert tpu_inference.is_installed()
         assert all(a is not b for a, b in zip(_methods(tpu), own, strict=True))
     finally:
-        plugin.set_mode("off")
+        plugin.uninstall()
         tpu_inference.uninstall()
     assert _methods(tpu) == own
 
@@ -166,13 +179,13 @@ import tpu_env
 sys.path.insert(0, tpu_env.PACKAGES)  # tpu-inference importable, as when installed
 os.environ["PORTABLE_SPEC_VLLM"] = "1"
 from portable_spec.integrations import tpu_inference
-from portable_spec.integrations import vllm as plugin
-plugin.register()
+from portable_spec.integrations.entry_points import vllm_general_plugins
+vllm_general_plugins()
 assert not any(m.startswith("tpu_inference") for m in sys.modules), "imported early"
 assert not tpu_inference.is_installed()
 runner = tpu_env.load()
 assert tpu_inference.is_installed()
-assert runner.TPUModelRunner.sample_tokens.__module__ == tpu_inference.__name__
+assert runner.TPUModelRunner.sample_tokens.__module__.startswith(tpu_inference.__name__)
 print("patched on import")
 """
     env = dict(os.environ, JAX_PLATFORMS="cpu", **tpu_env.CPU_HOST)
@@ -186,7 +199,7 @@ print("patched on import")
 def test_one_compile_per_logits_shape(tpu, grammars, integration, monkeypatch):
     """Steps of every mix (drafts, constrained or not, skipped requests) with the same logits
     rows reuse one compiled apply: the mask's shapes depend on the logits' only."""
-    from portable_spec.integrations._tpu_apply import apply_packed
+    from portable_spec.integrations.tpu_inference.apply import apply_packed
 
     rng = random.Random("compiles")
     before = apply_packed._cache_size()
@@ -204,7 +217,7 @@ def test_precompile_inputs_compile_the_step_function(tpu, grammars, integration)
     takes them, masks the flagged rows, and compiles what a step of that shape runs."""
     from tpu_inference.utils import device_array
 
-    from portable_spec.integrations._tpu_apply import apply_packed
+    from portable_spec.integrations.tpu_inference.apply import apply_packed
 
     rng = random.Random("precompile")
     runner = steps.make_runner(tpu, 16, 0)

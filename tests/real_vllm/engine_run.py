@@ -1,7 +1,7 @@
 """Run real vLLM (in-process engine) over the test prompts, plugin off / on / shadow.
 
 Usage: ``python tests/vllm/engine_run.py BACKEND OUT.json [BATCH ...]``. One engine start:
-the plugin's mode is switched between generate calls (``set_mode``), so the three modes see
+the plugin is installed, switched and uninstalled between generate calls, so the three modes see
 the same engine, weights and scheduler. Writes the token ids of every output per mode and
 batch, the shadow mode's row counts and the per-call timings.
 """
@@ -51,8 +51,11 @@ def main(backend: str, out_path: str, batches: list[int], modes: list[str]) -> N
     )
     report: dict = {"backend": backend, "k": K, "runs": {}}
     for mode in modes:
-        plugin.set_mode(mode)
-        plugin.reset_plugin_stats()
+        if mode == "off":
+            plugin.uninstall()
+        else:
+            assert plugin.install(mode)
+        plugin.reset_stats()
         for batch in batches:
             cases = prompts_for(batch)
             params = [
@@ -70,8 +73,8 @@ def main(backend: str, out_path: str, batches: list[int], modes: list[str]) -> N
                 "texts": [o.outputs[0].text for o in outputs],
                 "finish": [o.outputs[0].finish_reason for o in outputs],
             }
-        report["runs"][f"{mode}/stats"] = plugin.plugin_stats()
-    plugin.set_mode("off")
+        report["runs"][f"{mode}/stats"] = plugin.integration_stats()
+    plugin.uninstall()
     with open(out_path, "w") as f:
         json.dump(report, f, default=str)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,6 +31,7 @@ from vllm.v1.structured_output.request import StructuredOutputRequest  # noqa: E
 
 from portable_spec import native as compiled  # noqa: E402
 from portable_spec.integrations import vllm as plugin  # noqa: E402
+from portable_spec.integrations.vllm import bitmask, internals  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -269,9 +271,9 @@ def test_rows_match_vllms_own_fill(factories, backend, version, reasoning):
         spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
         ids = list(requests)
         before = _root_rows(requests, scratch)
-        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
-        assert ours is not None
-        unwritten = list(manager._portable_spec_unwritten)
+        built = bitmask.build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        assert built is not None
+        ours, unwritten = built
         after = _root_rows(requests, scratch)  # the plugin's walk left every matcher as it was
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and torch.equal(r0, r1)
@@ -316,7 +318,7 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
     rng = random.Random(f"fast/{version}")
     scratch = allocate(1)
     manager = _manager(cls, allocate, False)
-    taken = _spy_taken(monkeypatch, plugin, "fast_rows")
+    taken = _spy_taken(monkeypatch, bitmask, "fast_rows")
     read = _spy_taken(monkeypatch, compiled, "vllm_chains")
     compared = 0
     for _step in range(25):
@@ -328,15 +330,16 @@ def test_common_steps_take_the_fast_path(factories, version, monkeypatch):
         requests = {r.request_id: r for r, _ in pairs}
         spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
         ids = list(requests)
-        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
+        bitmask.build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
         assert taken[-1], f"step {_step} left the fast path"
         read.clear()
         before = _root_rows(requests, scratch)
-        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        ours, unwritten = bitmask.build_or_none(
+            manager, requests, ids, spec, layout=layout, copy=True
+        )
         assert taken[-1], f"step {_step} left the fast path"
         if compiled.walks_xgrammar():
             assert read == [True], f"step {_step} was not read in compiled code"
-        unwritten = list(manager._portable_spec_unwritten)
         after = _root_rows(requests, scratch)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and torch.equal(r0, r1)
@@ -415,7 +418,7 @@ def test_guidance_steps_take_the_fast_path(tokenizer, factories, version, monkey
     rng = random.Random(f"guidance/{version}")
     scratch = allocate(1)
     manager = _manager(cls, allocate, False)
-    taken = _spy_taken(monkeypatch, plugin, "guidance_rows")
+    taken = _spy_taken(monkeypatch, bitmask, "guidance_rows")
     read = _spy_taken(monkeypatch, compiled, "vllm_guidance")
     compared = 0
     for _step in range(30):
@@ -434,14 +437,15 @@ def test_guidance_steps_take_the_fast_path(tokenizer, factories, version, monkey
         requests = {r.request_id: r for r, _ in pairs}
         spec = {r.request_id: d for r, d in pairs if d or rng.random() < 0.5}
         ids = list(requests)
-        plugin._build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
+        bitmask.build_or_none(manager, requests, ids, spec, layout=layout)  # learns facts
         read.clear()
         before = _root_rows(requests, scratch)
-        ours = plugin._build_or_none(manager, requests, ids, spec, layout=layout, copy=True)
+        ours, unwritten = bitmask.build_or_none(
+            manager, requests, ids, spec, layout=layout, copy=True
+        )
         assert taken[-1], f"step {_step} left the guidance path"
         if compiled.native is not None:
             assert read == [True], f"step {_step} was not read in compiled code"
-        unwritten = list(manager._portable_spec_unwritten)
         after = _root_rows(requests, scratch)
         for (t0, r0), (t1, r1) in zip(before, after, strict=True):
             assert t0 == t1 and torch.equal(r0, r1)
@@ -457,20 +461,111 @@ def test_guidance_steps_take_the_fast_path(tokenizer, factories, version, monkey
 
 def test_off_by_default(monkeypatch):
     """Installed and registered, the plugin changes nothing until PORTABLE_SPEC_VLLM asks."""
+    from portable_spec.integrations.entry_points import vllm_general_plugins
+
     monkeypatch.delenv(plugin.ENV_VAR, raising=False)
     before = Manager032.grammar_bitmask
-    plugin.register()
-    assert Manager032.grammar_bitmask is before
+    vllm_general_plugins()
+    assert Manager032.grammar_bitmask is before and not plugin.is_installed()
     monkeypatch.setenv(plugin.ENV_VAR, "0")
-    plugin.register()
+    vllm_general_plugins()
+    assert Manager032.grammar_bitmask is before and not plugin.is_installed()
+
+
+def test_install_and_uninstall(monkeypatch):
+    """install() patches this vLLM (0.32, recognised by its source) in either mode, switches
+    modes in place, and uninstall() gives vLLM its method back; the entry point installs it
+    when PORTABLE_SPEC_VLLM asks."""
+    from portable_spec.integrations.entry_points import vllm_general_plugins
+
+    before = Manager032.grammar_bitmask
+    try:
+        assert plugin.install("shadow") and plugin.is_installed()
+        patched = Manager032.grammar_bitmask
+        assert patched is not before and bitmask.Active.mode == "shadow"
+        assert plugin.install() and Manager032.grammar_bitmask is patched
+        assert bitmask.Active.mode == "on" and bitmask.Active.layout == "packed"
+        plugin.uninstall()
+        assert Manager032.grammar_bitmask is before and not plugin.is_installed()
+        monkeypatch.setenv(plugin.ENV_VAR, "shadow")
+        vllm_general_plugins()
+        assert plugin.is_installed() and bitmask.Active.mode == "shadow"
+        monkeypatch.setenv(plugin.ENV_VAR, "yes")
+        with pytest.raises(ValueError, match=plugin.ENV_VAR):
+            vllm_general_plugins()
+    finally:
+        plugin.uninstall()
     assert Manager032.grammar_bitmask is before
 
 
 def test_unknown_version_keeps_vllms_fill(monkeypatch, caplog):
+    from portable_spec.integrations.entry_points import vllm_general_plugins
+
+    plugin.reset_stats()  # the warning is said once per process
     monkeypatch.setenv(plugin.ENV_VAR, "1")
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     before = Manager032.grammar_bitmask
-    plugin.register()
-    assert Manager032.grammar_bitmask is before
+    with caplog.at_level("WARNING", logger="vllm.portable_spec"):
+        vllm_general_plugins()
+    assert Manager032.grammar_bitmask is before and not plugin.is_installed()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vllm.portable_spec"]
+    assert len(warnings) == 1 and "0.99.0" in warnings[0]
     assert plugin.layout_for("0.99.0") is None
     assert plugin.layout_for("0.32.0") == "packed" and plugin.layout_for("0.33.1") == "strided"
+
+
+def test_a_source_that_differs_keeps_vllms_fill(monkeypatch, caplog):
+    """A vLLM 0.32 whose xgrammar wrapper is not the one the plugin reads (another class of
+    that name): not patched, one warning naming it."""
+    from vllm.v1.structured_output import backend_xgrammar
+
+    class XgrammarGrammar:  # fields the plugin would misread
+        pass
+
+    plugin.reset_stats()
+    monkeypatch.setattr(backend_xgrammar, "XgrammarGrammar", XgrammarGrammar)
+    before = Manager032.grammar_bitmask
+    with caplog.at_level("WARNING", logger="vllm.portable_spec"):
+        assert not plugin.install()
+    assert Manager032.grammar_bitmask is before and not plugin.is_installed()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vllm.portable_spec"]
+    assert len(warnings) == 1 and "backend_xgrammar:XgrammarGrammar" in warnings[0]
+
+
+def test_the_release_table_holds_this_vllms_source():
+    """The 0.32 row of the table is the installed vLLM's source (what install() checks)."""
+    sources = internals.patch_set(lambda original: original).sources()
+    assert internals.REVISIONS["0.32"].sources == {
+        target: digest for target, digest in sources.items() if digest is not None
+    }
+    bans = "vllm.v1.structured_output:StructuredOutputManager._masked_reasoning_ends"
+    assert sources[bans] is None  # 0.33's
+
+
+def test_the_release_table_holds_vllm_033s_source(monkeypatch):
+    """The 0.33 row is vLLM 0.33's source (its structured-output modules as shipped, each
+    loaded from scripts/setup-vllm.sh's copy on top of 0.32's package)."""
+    folder = os.path.join(os.path.dirname(V033), "structured_output")
+    if not os.path.isdir(folder):
+        pytest.skip(f"vLLM 0.33's structured_output/ not at {folder}")
+    from portable_spec.integrations.patching import source_hash
+
+    modules: dict = {}
+    found = {}
+    for target in internals.REVISIONS["0.33"].sources:
+        module_name, qualname = target.split(":")
+        if module_name not in modules:
+            tail = module_name.rsplit(".", 1)[-1]
+            path = os.path.join(
+                folder, "__init__.py" if tail == "structured_output" else f"{tail}.py"
+            )
+            spec = importlib.util.spec_from_file_location(f"vllm033_{tail}", path)
+            module = importlib.util.module_from_spec(spec)
+            monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look it up)
+            spec.loader.exec_module(module)
+            modules[module_name] = module
+        value = modules[module_name]
+        for part in qualname.split("."):
+            value = getattr(value, part)
+        found[target] = source_hash(value)
+    assert found == dict(internals.REVISIONS["0.33"].sources)

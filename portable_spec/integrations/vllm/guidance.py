@@ -1,5 +1,5 @@
 """The vLLM plugin's common step with the guidance backend (llguidance matchers): every request
-a ``GuidanceGrammar``, no reasoning parser.
+vLLM's guidance wrapper, no reasoning parser.
 
 vLLM's own fill walks each request token by token through its wrapper (fill the row, consume
 the draft, ... then roll back): about six llguidance calls and a dozen Python frames per row.
@@ -8,13 +8,13 @@ draft_token``, which writes the root row and one row per draft the matcher consu
 the GIL released) and leaves the matcher where it started; the rows vLLM derives from the
 chain's end are then written from the draft list alone.
 
-vLLM's rule, per request with drafts ``d`` (``p``: the first ``-1`` padding, or their count):
-the matcher consumes ``d[0] ... d[p-1]`` while it takes them (llguidance's parser decides,
-not the parent row's mask: a draft outside the mask that the parser accepts is consumed, as
-vLLM does); row ``i`` holds the mask after ``i`` drafts. After a draft it refuses, or any draft
-once the grammar is complete, every later row repeats the last row filled; after the end token
-(consumed, or offered once the grammar is complete) every later row is all-allowed, as after
-the padding. A request whose wrapper is terminated gets all-allowed rows.
+vLLM's rule for guidance (rules 2, 4 and 6 of :mod:`portable_spec.integrations.vllm.rows`),
+per request with drafts ``d`` (``p``: the first ``-1`` padding, or their count): the matcher
+consumes ``d[0] ... d[p-1]`` while it takes them (llguidance's parser decides, not the parent
+row's mask: a draft outside the mask that the parser accepts is consumed, as vLLM does); row
+``i`` holds the mask after ``i`` drafts; :func:`~portable_spec.integrations.vllm.rows.
+guidance_tail` writes the rows after the chain's end. A request whose wrapper is terminated
+gets all-allowed rows.
 
 Whether llguidance consumed every draft is read off the chain's last row, cleared before the
 call: llguidance writes it only then, and a written row is (almost) never all-zero. A row left
@@ -34,12 +34,14 @@ from typing import Any
 import numpy as np
 
 from portable_spec import native as compiled
-from portable_spec.integrations._vllm_fast import may_reason, wrapped_grammar
+from portable_spec.integrations.vllm import internals
+from portable_spec.integrations.vllm.rows import Rows, guidance_tail, unwritten_rows
 from portable_spec.pending import hold_matchers, release_matchers
 
 __all__ = ["guidance_rows"]
 
-_WRAPPER = "GuidanceGrammar"  # vLLM's llguidance grammar class
+_WRAPPER = internals.GUIDANCE_WRAPPER
+_NAMES = internals.GUIDANCE_NAMES  # what the compiled reader reads of vLLM's objects
 _wrapper_types: set[type] = set()
 # id(LLTokenizer) -> (the tokenizer, its end token, its vocabulary size)
 _eos: dict[int, tuple[Any, int, int]] = {}
@@ -60,28 +62,26 @@ def guidance_rows(
     requests: dict[str, Any],
     ids: Sequence[str],
     spec: dict[str, list[int]],
-    stride_k: int | None,
+    stride: int,
     buffer: np.ndarray,
-) -> tuple[np.ndarray, list[int]] | None:
+) -> Rows | None:
     """vLLM's rows of a guidance step written into ``buffer`` (int32 ``[rows, words]``, vLLM's
-    bitmask as numpy): returns the int32 ``[rows used, words]`` view written and the strided
-    rows vLLM never reads, or ``None`` (nothing moved; rows may have been written) when the
-    step is not one this path takes: another backend, objects not shaped as vLLM's, a draft
-    that is neither a token id inside the mask nor ``-1`` padding, a chain longer than the
-    strided layout allows, a mask whose width is not the tokenizer's, a matcher in its error
-    state or held by a build of the library. A draft at or past the tokenizer's vocabulary
-    (inside the mask) is a refused draft, never handed to llguidance. ``stride_k``: the number
-    of speculative tokens for vLLM 0.33's strided rows, ``None`` for 0.32's packed ones.
+    bitmask as numpy), or ``None`` (nothing moved; rows may have been written) when the step
+    is not one this path takes: another backend, objects not shaped as vLLM's, a draft that is
+    neither a token id inside the mask nor ``-1`` padding, a chain longer than the strided
+    layout allows, a mask whose width is not the tokenizer's, a matcher in its error state or
+    held by a build of the library. A draft at or past the tokenizer's vocabulary (inside the
+    mask) is a refused draft, never handed to llguidance. ``stride``: rows per request block,
+    ``0`` for packed rows. Returns the rows written and the strided rows vLLM never reads.
     Blocks until the rows are written; every matcher ends where it started. Raises only what
     llguidance itself raises once asked for a row.
     """
-    if not ids or may_reason(manager):
+    if not ids or internals.may_reason(manager):
         return None
-    stride = 0 if stride_k is None else stride_k + 1
     # the steady state: every wrapper class and tokenizer seen, read and written in one call
-    done = compiled.vllm_guidance(requests, ids, spec, _wrapper_types, _eos, buffer, stride)
+    done = compiled.vllm_guidance(requests, ids, spec, _wrapper_types, _eos, buffer, stride, _NAMES)
     if done is not None:
-        return done
+        return Rows(*done)
     try:  # vLLM's objects read; nothing moves
         step = _read(requests, ids, spec, buffer.shape[1])
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -94,16 +94,17 @@ def guidance_rows(
         return None
     out = buffer[:total]
     try:
-        token, held_now = hold_matchers([matcher for matcher, _, _ in step])
+        token, held_now = hold_matchers([matcher for matcher, _, _ in step if matcher is not None])
     except ValueError:
         return None
     try:
-        unwritten = _write(step, out, stride)
+        unwritten = unwritten_rows(drafts, stride)
+        if stride:
+            out[unwritten] = -1
+        written = _write(step, out, stride)
     finally:
         release_matchers(token, held_now)
-    if unwritten is None:
-        return None
-    return out, unwritten
+    return Rows(out, unwritten) if written else None
 
 
 #: per request: its matcher (None: vLLM's wrapper says terminated), its drafts, and its
@@ -120,8 +121,7 @@ def _read(
     limit = 32 * words
     step: list[_Request] = []
     for req_id in ids:
-        held = requests[req_id].structured_output_request
-        grammar = wrapped_grammar(held, _wrapper_types, _WRAPPER)
+        grammar = internals.wrapped_grammar(requests[req_id], _wrapper_types, _WRAPPER)
         if grammar is None:
             return None
         tokens = spec.get(req_id) or []
@@ -129,33 +129,25 @@ def _read(
             type(t) is int and -1 <= t < limit for t in tokens
         ):
             return None
-        terminated = bool(grammar.terminated)
-        _, eos, vocab = _tokenizer_facts(grammar.ll_tokenizer)
+        matcher, tokenizer, terminated = internals.guidance_parts(grammar)
+        _, eos, vocab = _tokenizer_facts(tokenizer)
         if (vocab + 31) // 32 != words:
             return None
-        matcher = None if terminated else grammar.ll_matcher
-        step.append((matcher, list(tokens), (eos, vocab)))
+        step.append((None if terminated else matcher, list(tokens), (eos, vocab)))
     return step
 
 
-def _write(step: list[_Request], out: np.ndarray, stride: int) -> list[int] | None:
+def _write(step: list[_Request], out: np.ndarray, stride: int) -> bool:
+    """Each request's rows; False when a matcher is in its error state (its step declined)."""
     row_bytes = out.strides[0]
     nbytes = out.shape[1] * 4
     base = out.ctypes.data
-    unwritten: list[int] = []
     row = 0
     for matcher, tokens, (eos, vocab) in step:
         m = len(tokens)
-        end = row + m  # the request's last row
-        if stride:
-            if m + 1 < stride:
-                unwritten.extend(range(end + 1, row + stride))
-                out[end + 1 : row + stride] = -1
-            nxt = row + stride
-        else:
-            nxt = end + 1
+        nxt = row + stride if stride else row + m + 1
         if matcher is None:  # vLLM's wrapper says terminated: every row all-allowed
-            out[row : end + 1] = -1
+            out[row : row + m + 1] = -1
             row = nxt
             continue
         p = tokens.index(-1) if m and min(tokens) < 0 else m
@@ -163,7 +155,7 @@ def _write(step: list[_Request], out: np.ndarray, stride: int) -> list[int] | No
         q = next((i for i in range(p) if tokens[i] >= vocab), p)
         if q == 0:
             if matcher.is_error():
-                return None
+                return False
             matcher.unsafe_compute_mask_ptr(base + row * row_bytes, nbytes)
             c, stopped = 0, p > 0 and matcher.is_stopped()
         else:
@@ -175,23 +167,11 @@ def _write(step: list[_Request], out: np.ndarray, stride: int) -> list[int] | No
                 c, stopped = p, False
             else:  # the chain ended early: ask the matcher where (it ends where it started)
                 if matcher.is_error():
-                    return None
+                    return False
                 c = matcher.try_consume_tokens(chain)
                 stopped = c < p and matcher.is_stopped()
                 if c:
                     matcher.rollback(c)
-        chain = tokens[:p]
-        if eos in chain[:c]:  # consumed: the grammar ended; every later row all-allowed
-            out[row + chain.index(eos) + 1 : end + 1] = -1
-        elif stopped:
-            # complete grammar: vLLM's wrapper takes every draft without consuming it, each
-            # row the end-token row, until the end token (then all-allowed, as after padding)
-            e = chain.index(eos, c) if eos in chain[c:] else p
-            out[row + c + 1 : row + e + 1] = out[row + c]
-            out[row + e + 1 : end + 1] = -1
-        elif c < p:  # refused: vLLM repeats the last row filled
-            out[row + c + 1 : end + 1] = out[row + c]
-        elif p < m:
-            out[row + p + 1 : end + 1] = -1
+        guidance_tail(out, row, tokens[:p], m, c, stopped, eos)
         row = nxt
-    return unwritten
+    return True

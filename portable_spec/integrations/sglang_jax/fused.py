@@ -9,10 +9,9 @@ chains, target forward and verification in one jitted step) with grammar masks.
 * The chain of the step is computed on the device by sglang-jax's own functions (the relay
   buffers' gather, the EAGLE-3 id map, the chain arrays) in a small jitted call, staged to the
   host (``GrammarTree.from_linear_chain``) and masked before the step is launched.
-* The overlap loop launches step ``t`` before it processes step ``t - 1``'s result, so the
-  grammars would not have seen ``t - 1``'s tokens: a speculative decode batch with a grammar
-  request first has the previous result processed (its tokens accepted), and a no-op entry
-  takes its place in the loop's queue.
+
+The step's grammars must have seen the previous step's tokens by then; sglang-jax's overlap
+loop processes them one step late, which :data:`.fixes.RUN_ORDER` puts right.
 """
 
 from __future__ import annotations
@@ -24,13 +23,13 @@ from functools import lru_cache
 from typing import Any
 
 import portable_spec as ps
-from portable_spec.integrations._sglang_jax_masks import active_matcher, slot_grammars
+from portable_spec.integrations.sglang_jax.masks import active_matcher, slot_grammars
+from portable_spec.integrations.sglang_jax.state import STATS, logger
 
 __all__ = [
     "fused_verify_builder",
     "logits_processor",
     "masked_logits_metadata",
-    "run_batch",
     "spec_decode_verify",
 ]
 
@@ -109,14 +108,32 @@ def spec_decode_verify(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _refused(slot: int, error: Exception) -> None:
+    logger.warning(
+        "portable_spec: verify slot %d keeps sglang-jax's unmasked verify this step: %s",
+        slot,
+        error,
+    )
+    STATS.add("refused_requests")
+
+
+def _recorded(seconds: float, mask: Any) -> None:
+    """One fused verify step's mask: staged and built before the launch."""
+    counts = {"fused_steps": 1, "grammar_steps": 1}
+    if mask is not None:
+        counts.update(masked_steps=1, masked_rows=int(mask.shape[0]))
+    STATS.update(counts, {"fused_build_s": seconds})
+
+
 def fused_verify_builder(
     original: Callable[..., Any],
-    refuse: Callable[[int, Exception], None],
-    record: Callable[[float, Any], None],
+    refuse: Callable[[int, Exception], None] = _refused,
+    record: Callable[[float, Any], None] = _recorded,
 ) -> Callable[..., Any]:
     """``draft_extend_fused._build_verify``: the built step, masked when the running verify has
     grammar requests (``refuse(slot, error)`` reports a request left unmasked,
-    ``record(seconds, mask)`` each mask's staging and build time)."""
+    ``record(seconds, mask)`` each mask's staging and build time; by default: a log line and
+    the integration's counters)."""
 
     def _build_verify(topk: int) -> Any:
         step = original(topk)
@@ -239,32 +256,3 @@ def _chain_fn(nodes: int, dp_size: int, batch: int, relay: bool, mapped: bool) -
         return draft.reshape(batch, nodes)
 
     return jax.jit(chains)
-
-
-def run_batch(
-    original: Callable[..., Any], has_grammar: Callable[[Any], bool]
-) -> Callable[..., Any]:
-    """``Scheduler.run_batch``: in the overlap loop, a speculative decode batch with a grammar
-    request first has the previous batch's result processed, so that its grammars have
-    accepted that batch's tokens before this batch's mask is built."""
-
-    def wrapper(self: Any, batch: Any) -> Any:
-        queue = getattr(self, "result_queue", None)
-        if (
-            getattr(self, "enable_overlap", False)
-            and queue
-            and self.spec_algorithm is not None
-            and not self.spec_algorithm.is_none()
-            and batch.forward_mode.is_decode()
-            and has_grammar(batch)
-        ):
-            from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
-
-            done_batch, done_result = queue.popleft()
-            done_batch.next_batch_sampling_info = None
-            self.process_batch_result(done_batch, done_result, None)
-            done_batch.forward_mode = ForwardMode.DUMMY_FIRST  # the loop's pop: a no-op entry
-            queue.appendleft((done_batch, None))
-        return original(self, batch)
-
-    return wrapper

@@ -1,20 +1,22 @@
-"""The vLLM plugin's common step in one function: every request an xgrammar grammar, no
-reasoning parser, no ``-1`` padding.
+"""The vLLM plugin's common step with the xgrammar backend in one function: every request an
+xgrammar grammar, no reasoning parser, no ``-1`` padding.
 
 vLLM's rows for such a step are each request's chain (its root row, then one row per draft),
-back to back (0.32) or at a stride of ``K + 1`` rows (0.33, the rows past a request's chain
-all-allowed). A draft the grammar refuses repeats the row before it on every later row of the
-request, as vLLM's own loop does; a request whose grammar is terminated gets all-allowed rows
-(the matcher is asked: vLLM's wrapper keeps its ``is_terminated`` flag equal to the matcher's
-after every accept and rollback, and asking the wrapper would cost a Python call per request).
+laid out by the row rules (:mod:`portable_spec.integrations.vllm.rows`: a draft the grammar
+refuses repeats the row before it on every later row of the request, as vLLM's own loop does;
+a request whose grammar is terminated gets all-allowed rows). Whether a grammar is terminated
+is asked of the matcher: vLLM's wrapper keeps its flag equal to the matcher's after every
+accept and rollback, and asking the wrapper would cost a Python call per request.
 
 In the steady state (every request's grammar seen before, each matcher's handle usable by the
 compiled helper, see :func:`portable_spec.native.xgrammar_handle`, one set of stop tokens) the
 whole step is one compiled call: it reads vLLM's own objects (the request dict, each request's
-``structured_output_request._grammar`` and its ``matcher``, the draft lists), then with the
-GIL released asks each matcher ``is_terminated``, walks its chain by ``traverse_draft_tree``
-straight into vLLM's buffer and repairs it. Inside the engine each call starts with cold
-caches (the forward pass evicts them), and every Python line costs about a microsecond there.
+grammar and its matcher, through the attribute names
+:data:`~portable_spec.integrations.vllm.internals.XGRAMMAR_NAMES` it is handed, the draft
+lists), then with the GIL released asks each matcher ``is_terminated``, walks its chain by
+``traverse_draft_tree`` straight into vLLM's buffer and repairs it. Inside the engine each
+call starts with cold caches (the forward pass evicts them), and every Python line costs about
+a microsecond there.
 
 Otherwise the same step runs in Python: a grammar seen for the first time is learnt (its
 matcher probed, which does not move it), matchers without a handle are walked through
@@ -38,14 +40,17 @@ from portable_spec import native as compiled
 from portable_spec.builder.small import chain_links
 from portable_spec.engines.xgrammar import probe_xgrammar
 from portable_spec.errors import MatcherError
+from portable_spec.integrations.vllm import internals
+from portable_spec.integrations.vllm.rows import Rows, unwritten_rows
 from portable_spec.pending import hold_matchers, release_matchers
 
-__all__ = ["fast_rows", "forget_grammars", "may_reason"]
+__all__ = ["fast_rows", "forget_grammars"]
 
 
 _NO_STOPS = np.zeros(0, dtype=np.int64)
 _NO_DRAFTS: list[int] = []  # never modified
-_WRAPPER = "XgrammarGrammar"  # vLLM's xgrammar grammar class
+_NAMES = internals.XGRAMMAR_NAMES  # what the compiled reader reads of vLLM's objects
+_WRAPPER = internals.XGRAMMAR_WRAPPER
 _wrapper_types: set[type] = set()  # classes of that name seen (one type test per request)
 
 # Per vLLM grammar wrapper (by id, dropped when the wrapper dies): its matcher, the matcher's
@@ -79,65 +84,35 @@ def forget_grammars() -> None:
     _known.clear()
 
 
-def wrapped_grammar(held: Any, wrappers: set[type], name: str) -> Any | None:
-    """The grammar wrapper of a request's ``structured_output_request`` when it is vLLM's class
-    ``name`` (its type, once seen, joins ``wrappers``), else None. Reads ``_grammar``, the field
-    behind vLLM's ``grammar`` property (which only resolves a Future), and the property only
-    when the field is not a known wrapper."""
-    try:
-        grammar = held._grammar
-    except AttributeError:
-        grammar = None
-    kind = type(grammar)
-    if kind not in wrappers:
-        grammar = held.grammar
-        kind = type(grammar)
-        if kind not in wrappers:
-            if kind.__name__ != name:
-                return None
-            wrappers.add(kind)
-    return grammar
-
-
-def may_reason(manager: Any) -> bool:
-    """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: it does
-    only with a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
-    if getattr(manager, "enable_in_reasoning", False) is True:
-        return False
-    return getattr(manager, "reasoner_cls", True) is not None
-
-
 def fast_rows(
     manager: Any,
     requests: dict[str, Any],
     ids: Sequence[str],
     spec: dict[str, list[int]],
-    stride_k: int | None,
+    stride: int,
     buffer: np.ndarray,
-) -> np.ndarray | None:
+) -> Rows | None:
     """vLLM's rows of a common step written into ``buffer`` (int32 ``[rows, words]``, vLLM's
-    bitmask as numpy); returns the int32 ``[rows used, words]`` view written, or ``None``
-    (nothing written, no matcher moved) when the step is not a common one. ``stride_k``: the
-    number of speculative tokens for vLLM 0.33's strided rows, ``None`` for 0.32's packed ones.
-    Blocks until the rows are written (the GIL released while xgrammar walks); every matcher
-    ends where it started. Sets the manager's ``_portable_spec_unwritten`` (the strided rows
-    vLLM never reads). Raises :class:`portable_spec.MatcherError` (``request_index``: the
-    request's position in ``ids``) when xgrammar refuses a walk; rows may then be written."""
-    if not ids or compiled.native is None or may_reason(manager):
+    bitmask as numpy), or ``None`` (nothing written, no matcher moved) when the step is not a
+    common one. ``stride``: rows per request block, ``0`` for packed rows (see
+    :func:`~portable_spec.integrations.vllm.rows.stride_of`). Returns the rows written and
+    the strided rows vLLM never reads. Blocks until the rows are written (the GIL released
+    while xgrammar walks); every matcher ends where it started. Raises
+    :class:`portable_spec.MatcherError` (``request_index``: the request's position in
+    ``ids``) when xgrammar refuses a walk; rows may then be written."""
+    if not ids or compiled.native is None or internals.may_reason(manager):
         return None
-    stride = 0 if stride_k is None else stride_k + 1
     direct = compiled.walks_xgrammar()  # the helper made the handles and calls xgrammar
     if direct:
         # the steady state: every request's facts known, read and walked in one compiled call
         step = compiled.vllm_chains(
-            requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS
+            requests, ids, spec, _known, _wrapper_types, buffer, stride, _NO_STOPS, _NAMES
         )
         if step is not None:
             out, (_, _, failed, message), drafts = step
             if failed >= 0:
                 raise MatcherError(failed, RuntimeError(message))
-            manager._portable_spec_unwritten = _unwritten(drafts, stride)
-            return out
+            return Rows(out, unwritten_rows(drafts, stride))
     words = buffer.shape[1]
     known = _known
     wrappers = _wrapper_types
@@ -149,12 +124,12 @@ def fast_rows(
     same_stops = True
     tokens_total = 0
     for req_id in ids:
-        grammar = wrapped_grammar(requests[req_id].structured_output_request, wrappers, _WRAPPER)
+        grammar = internals.wrapped_grammar(requests[req_id], wrappers, _WRAPPER)
         if grammar is None:
             return None
         # Terminated requests are walked too: the compiled walk asks the matcher (whose
         # state vLLM's wrapper mirrors) and writes their rows all-allowed.
-        matcher = grammar.matcher
+        matcher = internals.xgrammar_matcher(grammar)
         entry = known.get(id(grammar))
         if entry is None or entry[0] is not matcher:
             entry = _learn(grammar, matcher, words)
@@ -191,12 +166,12 @@ def fast_rows(
         _, _, failed, message = done
         if failed >= 0:
             raise MatcherError(failed, RuntimeError(message))
-        unwritten = _unwritten(drafts, stride)
+        unwritten = unwritten_rows(drafts, stride)
     else:
         for tokens in drafts:
             if tokens and (min(tokens) < 0 or (stride and len(tokens) >= stride)):
                 return None  # padding (the checked path splits the request), or too long
-        unwritten = _unwritten(drafts, stride)
+        unwritten = unwritten_rows(drafts, stride)
         flat: list[int] = []  # chains back to back, root (0) first
         spans: list[int] = []  # per request: first row, first token, nodes, live (later)
         pos = 0
@@ -218,19 +193,7 @@ def fast_rows(
             _walk_each(matchers, stops, out, draft, table, limit, common if same_stops else None)
         finally:
             release_matchers(token, held)
-    manager._portable_spec_unwritten = unwritten
-    return out
-
-
-def _unwritten(drafts: list[list[int]], stride: int) -> list[int]:
-    """The strided layout's rows past each request's chain (none for packed rows)."""
-    unwritten: list[int] = []
-    if stride:
-        for c, tokens in enumerate(drafts):
-            first, length = c * stride, len(tokens) + 1
-            if length < stride:
-                unwritten.extend(range(first + length, first + stride))
-    return unwritten
+    return Rows(out, unwritten)
 
 
 def _walk_each(

@@ -20,7 +20,6 @@ and its ``draft_forward``, ``draft_extend_for_decode`` and ``draft_extend_for_pr
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,11 +28,10 @@ from typing import Any
 import numpy as np
 
 import portable_spec as ps
-from portable_spec.integrations._sglang_jax_masks import active_matcher, slot_grammars
+from portable_spec.integrations.sglang_jax.masks import active_matcher, slot_grammars
+from portable_spec.integrations.sglang_jax.state import logger
 
 __all__ = ["DraftContext", "wrap_draft_forward", "wrap_extend", "wrap_select", "wrap_topk"]
-
-logger = logging.getLogger("sgl_jax.portable_spec")
 
 _local = threading.local()  # .draft: the DraftContext of the running draft_forward; .capture
 

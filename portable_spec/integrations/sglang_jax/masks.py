@@ -1,6 +1,6 @@
 """The verify mask of one sglang-jax speculative step: which request has which grammar, the
-staged tree and the build running while the target forward does, the per-request fallback,
-and the accepted path committed from the verify's outputs.
+staged tree and the build running while the target forward does, and the per-request
+fallback.
 
 sglang-jax's verify layout is the library's: per request ``retrive_next_token`` and
 ``retrive_next_sibling`` ``[bs, N]`` (local node indices, -1 for none), ``draft_token``
@@ -9,7 +9,6 @@ sglang-jax's verify layout is the library's: per request ``retrive_next_token`` 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,17 +17,15 @@ from typing import Any
 import numpy as np
 
 import portable_spec as ps
+from portable_spec.integrations.sglang_jax.state import logger
 
 __all__ = [
     "MaskJob",
     "active_matcher",
     "apply_mask",
-    "commit_accepted",
     "slot_grammars",
     "start_mask",
 ]
-
-logger = logging.getLogger("sgl_jax.portable_spec")
 
 # Set on one verify step's EagleVerifyInput (a dataclass without __slots__) by the patched
 # BaseSpecWorker.verify; the patched sample takes it from there.
@@ -201,30 +198,3 @@ def apply_mask(logits: Any, mask: Any, vocab_size: int) -> Any:
     if width > vocab_size:
         return ps.apply_vocab_mask(logits, mask, vocab_size=vocab_size)
     return ps.apply_vocab_mask(logits, mask)
-
-
-def commit_accepted(
-    predict: Any, accept_index: Any, accept_length: Any, nodes: int, width: int
-) -> np.ndarray:
-    """``predict`` rewritten so that request ``b``'s committed tokens are its first
-    ``accept_length[b]`` entries from ``b * nodes``, in path order.
-
-    sglang-jax's verify writes each accepted node's next token at that node's row
-    (``predict[accept_index[b, j]]``) and its scheduler commits ``predict[b * N : b * N + a]``:
-    the same for chains, but for trees the accepted nodes are not the first ``a`` nodes.
-    Host numpy in and out (``predict`` ``[bs * N (+1)]``, ``accept_index`` ``[bs * width]``,
-    ``accept_length`` ``[bs]``).
-    """
-    predict = np.asarray(predict)
-    index = np.asarray(accept_index).reshape(-1, width)
-    length = np.asarray(accept_length).reshape(-1)
-    out = predict.copy()
-    batch = min(len(length), index.shape[0])
-    taken = np.arange(width)[None, :] < np.minimum(length[:batch], width)[:, None]
-    source = index[:batch]
-    valid = taken & (source >= 0) & (source < len(predict))
-    rows, cols = np.nonzero(valid)
-    target = rows * nodes + cols
-    keep = target < len(out)
-    out[target[keep]] = predict[source[rows[keep], cols[keep]]]
-    return out

@@ -8,15 +8,13 @@ grammar that ends inside the accepted path (its end token consumed) ends the req
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from portable_spec.integrations._sglang_jax_masks import active_matcher
+from portable_spec.integrations.sglang_jax.masks import active_matcher
+from portable_spec.integrations.sglang_jax.state import logger
 
 __all__ = ["accept_tokens", "grammar_end", "own_grammar_objects", "truncate_at_grammar_end"]
-
-logger = logging.getLogger("sgl_jax.portable_spec")
 
 _ENDED = "EndOfSentence"
 

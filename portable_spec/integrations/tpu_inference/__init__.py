@@ -1,0 +1,105 @@
+"""tpu-inference (vLLM on TPU): vLLM's grammar rows on the logits rows they belong to.
+
+tpu-inference 0.32 applies vLLM's structured-output bitmask as if every request had one
+logits row: ``StructuredDecodingManager.prepare_structured_decoding_input`` copies row ``i``
+of vLLM's bitmask to the ``i``-th request of ``sorted(structured_output_request_ids)``. vLLM
+0.32 writes ``1 + len(drafts)`` rows per structured request, in the order of
+``structured_output_request_ids``, and with speculative decoding tpu-inference's logits hold
+``1 + drafts`` rows per request. So with speculation a request gets another request's draft
+row (or the step fails on a reshape), and without it rows go to the wrong requests whenever
+vLLM's order is not the sorted one.
+
+Installed, this package replaces three methods of tpu-inference's runner (``runner.py``; its
+own code runs around them): the step's state kept for the mask, each logits row mapped to its
+request's row (``rows.py``), the mask applied in one jitted function (``apply.py``).
+
+Switch: ``PORTABLE_SPEC_VLLM=1`` (or ``on``, :data:`ENV_VAR`: tpu-inference runs inside vLLM
+and takes vLLM's switch): vLLM's entry point
+(:func:`portable_spec.integrations.entry_points.vllm_general_plugins`) then patches the runner
+when tpu-inference imports it (:func:`install_on_import`). ``shadow``, ``0``, unset: the
+runner is left as it is. In a process you control, :func:`install` patches it now. Known
+releases: tpu-inference 0.32 reading vLLM 0.32's rows (``runner.REVISIONS``: versions and
+source hashes); any other gets one ``WARNING`` line and tpu-inference's own code. The rows
+themselves are vLLM's (built by the vLLM plugin when it is on): nothing is built twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portable_spec.integrations.patching import ImportHook
+from portable_spec.integrations.tpu_inference.runner import (
+    RUNNER_MODULE,
+    STATS,
+    logger,
+    once,
+    patch_set,
+    version,
+)
+
+__all__ = [
+    "ENV_VAR",
+    "RUNNER_MODULE",
+    "install",
+    "install_on_import",
+    "integration_stats",
+    "is_installed",
+    "reset_stats",
+    "uninstall",
+]
+
+#: tpu-inference's switch is vLLM's (its entry point installs both)
+ENV_VAR = "PORTABLE_SPEC_VLLM"
+
+_patches = patch_set()
+_hook = ImportHook(RUNNER_MODULE, lambda module: install(), logger)
+
+
+def install(mode: str = "on") -> bool:
+    """Patch tpu-inference's runner in this process now (importing it if needed).
+
+    Returns True when the runner is patched (also when it already was); False without
+    tpu-inference (nothing imported, no warning) or when its release is not one this
+    integration knows (one ``WARNING`` line; tpu-inference's own code stays). ``mode``: only
+    ``"on"`` (tpu-inference has no shadow mode: its own rows are the misplaced ones);
+    ValueError otherwise. Idempotent; does not block.
+    """
+    if mode != "on":
+        raise ValueError(f"tpu-inference's integration has one mode, 'on'; got {mode!r}")
+    return _patches.install()
+
+
+def install_on_import() -> bool:
+    """Patch tpu-inference's runner as soon as tpu-inference imports it in this process (now,
+    if it already has). Returns False, importing nothing, where tpu-inference is not
+    installed."""
+    if version() is None:
+        return False
+    _hook.activate()
+    return True
+
+
+def uninstall() -> None:
+    """Give tpu-inference's runner its own methods back (and stop waiting for its import)."""
+    _hook.deactivate()
+    _patches.uninstall()
+
+
+def is_installed() -> bool:
+    """Whether tpu-inference's runner is patched in this process."""
+    return _patches.is_installed()
+
+
+def integration_stats() -> dict[str, Any]:
+    """This process's counters: ``steps`` whose mask the integration prepared, ``rows``
+    (logits rows given a grammar row), ``skipped_requests`` (structured requests that were not
+    in the runner's batch: their rows skipped, with a log line); ``median_us`` and ``samples``
+    empty (no timings kept). Never blocks."""
+    return STATS.snapshot()
+
+
+def reset_stats() -> None:
+    """Zero this process's counters; the once-per-process warnings may be logged again."""
+    STATS.reset()
+    once.reset()
+    _patches.reset_warning()

@@ -1,0 +1,276 @@
+"""vLLM's internals as the plugin reads them: the only file of the plugin that names them.
+
+The plugin replaces one method, ``StructuredOutputManager.grammar_bitmask``, and relies on
+private members of vLLM's structured-output code: the manager's fields and its reasoning
+bounds, each request's ``structured_output_request._grammar``, and the fields of vLLM's
+grammar wrappers (xgrammar's ``matcher``, guidance's ``ll_matcher``, ``ll_tokenizer`` and
+``terminated``, outlines' ``guide``). Every function and class it relies on is listed in
+:data:`READS`, and each vLLM release the plugin knows is one row of :data:`REVISIONS`: the
+version vLLM reports and the SHA-256 of the source of the replaced method and of everything
+in :data:`READS`. A vLLM whose source differs in any of them is not patched: one warning,
+then vLLM's own fill.
+
+The compiled step readers (:func:`portable_spec.native.vllm_chains` and
+``vllm_guidance``) take the attribute names they read as an argument: :data:`XGRAMMAR_NAMES`
+and :data:`GUIDANCE_NAMES`, made once here. No name of vLLM's is written in C.
+
+To add a release: install it, run ``python -m portable_spec.integrations.vllm.internals``
+(it prints this process's vLLM version and source hashes), check that the row rules of
+``rows.py`` still hold for it, and add the row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from portable_spec.integrations.patching import Patch, PatchSet, Revision
+
+__all__ = [
+    "GRAMMAR_BITMASK",
+    "GUIDANCE_NAMES",
+    "GUIDANCE_WRAPPER",
+    "LAYOUTS",
+    "READS",
+    "REVISIONS",
+    "XGRAMMAR_NAMES",
+    "XGRAMMAR_WRAPPER",
+    "bitmask_setup",
+    "bitmask_tensor",
+    "constraint_bounds",
+    "guidance_parts",
+    "inner_matcher",
+    "is_terminated",
+    "is_xgrammar",
+    "logger",
+    "masked_reasoning_ends",
+    "may_reason",
+    "patch_set",
+    "request_grammar",
+    "version",
+    "wrapped_grammar",
+    "xgrammar_matcher",
+]
+
+#: A child of vLLM's logger: the plugin's lines come out with vLLM's own format and level.
+logger = logging.getLogger("vllm.portable_spec")
+
+ENGINE = "vllm"
+_PKG = "vllm.v1.structured_output"
+_MANAGER = f"{_PKG}:StructuredOutputManager"
+#: the one method the plugin replaces
+GRAMMAR_BITMASK = f"{_MANAGER}.grammar_bitmask"
+# what it reads or calls: the manager's fields (backend, reasoner_cls, enable_in_reasoning,
+# vllm_config, _grammar_bitmask), no reasoner without reasoner_cls (bounds (0, 0)), the bounds
+# (called per request with a reasoning parser), 0.33's reasoning-end bans, the grammar field
+# behind a request's grammar property, the wrappers' fields (xgrammar's matcher and
+# is_terminated; guidance's ll_matcher, ll_tokenizer and terminated; outlines' guide), the
+# padding rule
+_INIT = f"{_MANAGER}.__init__"
+_REASONER = f"{_MANAGER}._get_reasoner"
+_BOUNDS = f"{_MANAGER}._get_constraint_bounds"
+_BANS = f"{_MANAGER}._masked_reasoning_ends"
+_REQUEST = f"{_PKG}.request:StructuredOutputRequest"
+_XGRAMMAR = f"{_PKG}.backend_xgrammar:XgrammarGrammar"
+_GUIDANCE = f"{_PKG}.backend_guidance:GuidanceGrammar"
+_OUTLINES = f"{_PKG}.backend_outlines:OutlinesGrammar"
+_PADDING = f"{_PKG}.utils:strip_speculative_padding"
+#: what the plugin reads or calls (recognised by source hash, never replaced)
+READS = (_INIT, _REASONER, _BOUNDS, _BANS, _REQUEST, _XGRAMMAR, _GUIDANCE, _OUTLINES, _PADDING)
+
+#: The vLLM releases the plugin knows: version prefix and the source hash of every target at
+#: that release (the CPU and CUDA builds of 0.32.0 have the same source here).
+REVISIONS: dict[str, Revision] = {
+    "0.32": Revision(
+        "0.32",
+        {
+            GRAMMAR_BITMASK: "46f2867ad31aea096ea3a719c5336d4736df94cf2142fd6b0eb68b006aa2a30c",
+            _INIT: "585ff4311f12b214a0f46e2e835c31a59c5336d2f73ff4ae8ac850223ce8eefb",
+            _REASONER: "4d5565cfec862520656de40759c71996d4152ad2f8068db33871c70e56da57fa",
+            _BOUNDS: "0a5938e1b801ab0d9a53728c390c9c5e51677df0b11cc7f0bc69d49245f154b9",
+            _REQUEST: "f2010f8fe0fa04661e20a29e54e53db776d00d253114fee43507c60828821987",
+            _XGRAMMAR: "14206746d6f5b6f2bad6ac3486bc217a6b29eaccb0686e4e606e1884eb91429d",
+            _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
+            _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
+            _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+        },
+    ),
+    "0.33": Revision(
+        "0.33",
+        {
+            GRAMMAR_BITMASK: "b78c7bac537b21cf2fdefff6d5d8c457c776126d37c27113204f1a80601e20ad",
+            _INIT: "0bb6edf052a815c030a113c7ef7437f72c46b634ec765adfec4c8c00aa384d9b",
+            _REASONER: "4d5565cfec862520656de40759c71996d4152ad2f8068db33871c70e56da57fa",
+            _BOUNDS: "0a5938e1b801ab0d9a53728c390c9c5e51677df0b11cc7f0bc69d49245f154b9",
+            _BANS: "d50de969ec57e4d08e30b665f513ffcdf8d5b3eb66ad63c5bc4320729a6e6a58",
+            _REQUEST: "6c1cdc0b0949c4a0c137dfd67931f5570e34cb5fce9106e61160b0218239035e",
+            _XGRAMMAR: "14206746d6f5b6f2bad6ac3486bc217a6b29eaccb0686e4e606e1884eb91429d",
+            _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
+            _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
+            _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+        },
+    ),
+}
+#: The row layout of each release (rows.py): "packed" (0.32: ``1 + len(drafts)`` rows per
+#: request, back to back) or "strided" (0.33: request ``b``'s rows start at ``b * (K + 1)``).
+LAYOUTS = {"0.32": "packed", "0.33": "strided"}
+
+
+def version() -> str | None:
+    """The installed vLLM's version, or None without vLLM (imports vLLM when it is there)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def patch_set(make: Callable[[Any], Any]) -> PatchSet:
+    """vLLM's patch set: ``grammar_bitmask`` replaced by ``make(vLLM's own)``, :data:`READS`
+    recognised."""
+    return PatchSet(
+        ENGINE,
+        patches=[Patch(GRAMMAR_BITMASK, make), *(Patch(target) for target in READS)],
+        revisions=REVISIONS,
+        version=lambda: version(),
+        logger=logger,
+    )
+
+
+# -- the names handed to the compiled step readers (interned once) ---------------------------
+
+#: vllm_chains: a request's state, the grammar field behind its property, xgrammar's matcher
+XGRAMMAR_NAMES = tuple(sys.intern(n) for n in ("structured_output_request", "_grammar", "matcher"))
+#: vllm_guidance: a request's state, its grammar field, then the guidance wrapper's terminated
+#: flag, llguidance tokenizer and matcher
+GUIDANCE_NAMES = tuple(
+    sys.intern(n)
+    for n in ("structured_output_request", "_grammar", "terminated", "ll_tokenizer", "ll_matcher")
+)
+#: the class names of vLLM's xgrammar and guidance wrappers
+XGRAMMAR_WRAPPER = "XgrammarGrammar"
+GUIDANCE_WRAPPER = "GuidanceGrammar"
+_GUIDANCE_BACKEND = "GuidanceBackend"
+# The field of each wrapper class that holds the grammar engine's matcher (the wrappers the
+# library builds; any other, lm-format-enforcer's, keeps vLLM's own fill).
+_MATCHER_FIELD = {
+    XGRAMMAR_WRAPPER: "matcher",
+    GUIDANCE_WRAPPER: "ll_matcher",
+    "OutlinesGrammar": "guide",
+}
+
+
+# -- requests and their grammar wrappers -----------------------------------------------------
+
+
+def request_grammar(request: Any) -> Any:
+    """A scheduled request's grammar wrapper (through vLLM's property)."""
+    return request.structured_output_request.grammar
+
+
+def wrapped_grammar(request: Any, wrappers: set[type], name: str) -> Any | None:
+    """A request's grammar wrapper when it is vLLM's class ``name`` (its type, once seen, joins
+    ``wrappers``), else None. Reads ``_grammar``, the field behind vLLM's ``grammar`` property
+    (which only resolves a Future), and the property only when the field is not a known
+    wrapper."""
+    held = request.structured_output_request
+    try:
+        grammar = held._grammar
+    except AttributeError:
+        grammar = None
+    kind = type(grammar)
+    if kind not in wrappers:
+        grammar = held.grammar
+        kind = type(grammar)
+        if kind not in wrappers:
+            if kind.__name__ != name:
+                return None
+            wrappers.add(kind)
+    return grammar
+
+
+def inner_matcher(grammar: Any) -> Any:
+    """The grammar engine's matcher inside a vLLM wrapper; LookupError (the wrapper's class
+    name) for a wrapper whose matcher the library does not take."""
+    field = _MATCHER_FIELD.get(type(grammar).__name__)
+    if field is None:
+        raise LookupError(type(grammar).__name__)
+    return getattr(grammar, field)
+
+
+def is_xgrammar(grammar: Any) -> bool:
+    """Whether ``grammar`` is vLLM's xgrammar wrapper."""
+    return type(grammar).__name__ == XGRAMMAR_WRAPPER
+
+
+def xgrammar_matcher(grammar: Any) -> Any:
+    """The xgrammar matcher of vLLM's xgrammar wrapper."""
+    return grammar.matcher
+
+
+def guidance_parts(grammar: Any) -> tuple[Any, Any, bool]:
+    """``(llguidance matcher, llguidance tokenizer, terminated)`` of vLLM's guidance wrapper."""
+    return grammar.ll_matcher, grammar.ll_tokenizer, bool(grammar.terminated)
+
+
+def is_terminated(grammar: Any) -> bool:
+    """Whether vLLM's wrapper says its grammar accepted its stop token."""
+    return bool(grammar.is_terminated())
+
+
+# -- the manager -----------------------------------------------------------------------------
+
+
+def may_reason(manager: Any) -> bool:
+    """Whether vLLM's ``_get_constraint_bounds`` can return anything but ``(0, 0)``: only with
+    a reasoning parser and ``enable_in_reasoning`` off (0.32 and 0.33 alike)."""
+    if getattr(manager, "enable_in_reasoning", False) is True:
+        return False
+    return getattr(manager, "reasoner_cls", True) is not None
+
+
+def constraint_bounds(manager: Any, request: Any, tokens: Sequence[int]) -> tuple[int, int]:
+    """vLLM's ``(grammar_start, constraint_start)`` for a request's drafts (no padding)."""
+    g, c = manager._get_constraint_bounds(request, tokens)
+    return int(g), int(c)
+
+
+def masked_reasoning_ends(manager: Any, request: Any) -> tuple[int, ...]:
+    """The implicit reasoning ends vLLM 0.33 bans on a request's rows still reasoning."""
+    return tuple(manager._masked_reasoning_ends(request))
+
+
+def bitmask_tensor(manager: Any) -> Any:
+    """vLLM's bitmask tensor (None before its first step)."""
+    return manager._grammar_bitmask
+
+
+def bitmask_setup(manager: Any) -> tuple[Any, np.ndarray, int, bool] | str:
+    """What stays the same for the engine's life: ``(vLLM's bitmask tensor, its numpy view,
+    the number of speculative tokens, whether vLLM's backend is guidance)``, the tensor
+    allocated as vLLM does when it has none yet; or why vLLM's own fill keeps every step
+    (``"diffusion"``: no bonus row; ``""``: no speculative tokens, vLLM's parallel fill)."""
+    config = manager.vllm_config
+    if config.model_config.is_diffusion:
+        return "diffusion"
+    k = int(config.num_speculative_tokens or 0)
+    if not k:
+        return ""
+    tensor = manager._grammar_bitmask
+    if tensor is None:
+        tensor = manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
+            config.scheduler_config.max_num_seqs * (1 + k)
+        )
+    guidance = type(getattr(manager, "backend", None)).__name__ == _GUIDANCE_BACKEND
+    return tensor, tensor.numpy(), k, guidance
+
+
+if __name__ == "__main__":  # the row of REVISIONS this process's vLLM would need
+    print(f"vLLM {version()}")
+    for target, digest in patch_set(lambda original: original).sources().items():
+        print(f"    {target}: {digest!r},")
