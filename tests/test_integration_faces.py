@@ -4,7 +4,7 @@
 
 Run where the engines are absent (the unit suite's environment): ``install`` returns False
 without a warning and patches nothing. The packages against their real engines:
-tests/real_vllm, tests/real_tpu_inference, tests/real_sglang_jax.
+tests/real_vllm, tests/real_tpu_inference, tests/real_sglang_jax, tests/real_sglang.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ENGINES = {
     "vllm": ("vllm", ("on", "shadow")),
     "tpu_inference": ("tpu_inference", ("on",)),
     "sglang_jax": ("sgl_jax", ("on",)),
+    "sglang": ("sglang", ("on", "shadow")),
 }
 
 
