@@ -73,9 +73,6 @@ def build_chain_bitmask(
 
     Blocks until the mask is written; every matcher ends in the state it started in.
     """
-    return routes.build(
-        routes.Call(
-            matchers, None, vocab_size, out, "dense", None, reasoning, return_valid, drafts,
-            rows_per_request,
-        )
-    )  # fmt: skip
+    return routes.build_chains(
+        matchers, drafts, vocab_size, rows_per_request, out, reasoning, return_valid
+    )

@@ -16,6 +16,8 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
 
     def spying(route: routes.Route) -> routes.Route:
         def build(call: Any) -> Any:
+            if route.build is routes._lists_build:  # recorded by spying_lists, below
+                return route.build(call)
             if not route.compiled:  # named before it builds: its own builds come after it
                 if not compiled_only:
                     taken.append(route.name)
@@ -28,6 +30,16 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
         return dataclasses.replace(route, build=build)
 
     monkeypatch.setattr(routes, "ROUTES", tuple(spying(route) for route in routes.ROUTES))
+    # build_chain_bitmask calls the first row's build (routes._lists) directly: record it there
+    lists = routes._lists
+
+    def spying_lists(*args: Any) -> Any:
+        result = lists(*args)
+        if result is not None:
+            taken.append(routes.ROUTES[0].name)
+        return result
+
+    monkeypatch.setattr(routes, "_lists", spying_lists)
     return taken
 
 

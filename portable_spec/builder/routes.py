@@ -68,6 +68,7 @@ __all__ = [
     "Call",
     "Route",
     "build",
+    "build_chains",
     "parts_for",
     "pool_worthy",
     "work",
@@ -215,15 +216,33 @@ def _lists_apply(call: Call) -> bool:
 
 
 def _lists_build(call: Call) -> Any:
-    words = call.plain_words()
-    parts_from = _nodes_for(ONE_THREAD_WORK, words) if words and get_num_threads() > 1 else 0
-    done = build_lists(
+    done = _lists(
         call.grammars, call.drafts, call.vocab_size, call.rows_per_request, call.out,
-        call.reasoning, call.return_valid, parts_from, get_num_threads(),
+        call.reasoning, call.return_valid,
     )  # fmt: skip
     if done is None:  # on down the table over the equivalent tree
         _lists_to_tree(call)
     return done
+
+
+def _lists(
+    grammars: Any,
+    drafts: Any,
+    vocab_size: Any,
+    rows_per_request: Any,
+    out: Any,
+    reasoning: Any,
+    return_valid: bool,
+) -> Any:
+    """The "chain lists" row's build over the call's arguments as given (``None``: declined,
+    nothing written, no matcher moved)."""
+    threads = get_num_threads()
+    words = (vocab_size + 31) >> 5 if type(vocab_size) is int and vocab_size > 0 else 0
+    parts_from = _nodes_for(ONE_THREAD_WORK, words) if words and threads > 1 else 0
+    return build_lists(
+        grammars, drafts, vocab_size, rows_per_request, out, reasoning, return_valid,
+        parts_from, threads,
+    )  # fmt: skip
 
 
 def _lists_to_tree(call: Call) -> None:
@@ -517,9 +536,39 @@ def build(call: Call) -> Any:
     """Build ``call`` by the first row of :data:`ROUTES` that applies (see the module
     docstring); returns what :func:`portable_spec.build_host_bitmask` (or
     :func:`portable_spec.build_chain_bitmask`) returns, raises what it raises."""
+    return _walk(call, 0)
+
+
+def build_chains(
+    matchers: Any,
+    drafts: Any,
+    vocab_size: Any,
+    rows_per_request: Any,
+    out: Any,
+    reasoning: Any,
+    return_valid: bool,
+) -> Any:
+    """:func:`portable_spec.build_chain_bitmask`: the table's first row, "chain lists", called
+    over the arguments as given (the common call: one compiled call, no :class:`Call` made,
+    which costs microseconds with cold caches), then the rows after it over the lists' tree."""
+    done = _lists(matchers, drafts, vocab_size, rows_per_request, out, reasoning, return_valid)
+    if done is not None:
+        return done
+    call = Call(
+        matchers, None, vocab_size, out, "dense", None, reasoning, return_valid, drafts,
+        rows_per_request,
+    )  # fmt: skip
+    _lists_to_tree(call)
+    return _walk(call, 1)
+
+
+def _walk(call: Call, first: int) -> Any:
+    """The table walked from row ``first``: the compiled rows that apply until one builds,
+    then the checked rows."""
     routes = ROUTES
-    index = 0
-    for index, route in enumerate(routes):  # noqa: B007
+    index = first
+    for index in range(first, len(routes)):
+        route = routes[index]
         if not route.compiled:
             break
         if route.applies(call):
