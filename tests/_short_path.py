@@ -16,7 +16,7 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
 
     def spying(route: routes.Route) -> routes.Route:
         def build(call: Any) -> Any:
-            if route.build is routes._lists_build:  # recorded by spying_lists, below
+            if route.build in (routes._lists_build, routes._one_call_build):  # recorded below
                 return route.build(call)
             if not route.compiled:  # named before it builds: its own builds come after it
                 if not compiled_only:
@@ -40,6 +40,16 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
         return result
 
     monkeypatch.setattr(routes, "_lists", spying_lists)
+    # build_host_bitmask calls the "one call" row's build (routes._one_call) directly too
+    one_call = routes._one_call
+
+    def spying_one_call(*args: Any) -> Any:
+        result = one_call(*args)
+        if result is not None:
+            taken.append(routes.ROUTES[1].name)
+        return result
+
+    monkeypatch.setattr(routes, "_one_call", spying_one_call)
     return taken
 
 

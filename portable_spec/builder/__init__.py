@@ -96,5 +96,6 @@ def build_host_bitmask(
     """
     if type(tree) is not GrammarTree and not isinstance(tree, GrammarTree):
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
-    call = routes.Call(matchers, tree, vocab_size, out, layout, max_rows, reasoning, return_valid)
-    return routes.build(call)
+    return routes.build_tree(
+        matchers, tree, vocab_size, out, layout, max_rows, reasoning, return_valid
+    )

@@ -69,6 +69,7 @@ __all__ = [
     "Route",
     "build",
     "build_chains",
+    "build_tree",
     "parts_for",
     "pool_worthy",
     "work",
@@ -266,29 +267,33 @@ def _first_kind(grammars: Any) -> int:
 
 
 def _one_call_applies(call: Call) -> bool:
-    shape = call.shape
-    if shape is None or not shape.on_host or not _plain_dense(call):
-        return False
-    if _first_kind(call.grammars) == LLGUIDANCE:
-        return True  # llguidance holds the GIL: one thread whatever the size
-    words = call.plain_words()
-    if not words or work(shape.rows, words) >= ONE_THREAD_WORK:
-        return False
-    return shape.linear or work(shape.nodes, words) < SPLIT_WORK
+    return call.tree is not None and _plain_dense(call)
 
 
 def _one_call_build(call: Call) -> Any:
-    tree = call.tree
-    assert tree is not None and call.shape is not None
+    assert call.tree is not None
+    return _one_call(call.grammars, call.tree, call.vocab_size, call.out, call.return_valid)
+
+
+def _one_call(
+    grammars: Any, tree: GrammarTree, vocab_size: Any, out: Any, return_valid: bool
+) -> Any:
+    """The "one call" row's build over a dense call's arguments as given: ``None`` when the
+    tree is not the caller's host arrays, the work is ONE_THREAD_WORK or more (a tree's
+    request SPLIT_WORK or more) or the compiled call declines (nothing written, no matcher
+    moved)."""
     arrays = tree.host_inputs()
-    assert arrays is not None
-    if _first_kind(call.grammars) == LLGUIDANCE:
-        return small_llguidance.in_place(
-            call.grammars, arrays, call.vocab_size, call.out, call.return_valid
-        )
-    return small.in_place(
-        call.grammars, arrays, call.shape.nodes, call.vocab_size, call.out, call.return_valid
-    )
+    if arrays is None:
+        return None
+    if _first_kind(grammars) == LLGUIDANCE:  # llguidance holds the GIL: one thread always
+        return small_llguidance.in_place(grammars, arrays, vocab_size, out, return_valid)
+    words = (vocab_size + 31) >> 5 if type(vocab_size) is int and vocab_size > 0 else 0
+    if not words or work(tree.rows, words) >= ONE_THREAD_WORK:
+        return None
+    nodes = tree.nodes
+    if not (tree.is_chain or tree.is_packed) and work(nodes, words) >= SPLIT_WORK:
+        return None
+    return small.in_place(grammars, arrays, nodes, vocab_size, out, return_valid)
 
 
 def _small_chains_apply(call: Call) -> bool:
@@ -537,6 +542,29 @@ def build(call: Call) -> Any:
     docstring); returns what :func:`portable_spec.build_host_bitmask` (or
     :func:`portable_spec.build_chain_bitmask`) returns, raises what it raises."""
     return _walk(call, 0)
+
+
+def build_tree(
+    matchers: Any,
+    tree: GrammarTree,
+    vocab_size: Any,
+    out: Any,
+    layout: str,
+    max_rows: int | None,
+    reasoning: Any,
+    return_valid: bool,
+) -> Any:
+    """:func:`portable_spec.build_host_bitmask`: a plain dense call first tries the table's
+    "one call" row over the arguments as given (the common small call: one compiled call, no
+    :class:`Call` made, which costs microseconds with cold caches), then the rows after it."""
+    first = 0
+    if reasoning is None and layout == "dense" and max_rows is None:
+        done = _one_call(matchers, tree, vocab_size, out, return_valid)
+        if done is not None:
+            return done
+        first = 2  # after "chain lists" (no draft lists) and "one call" (just tried)
+    call = Call(matchers, tree, vocab_size, out, layout, max_rows, reasoning, return_valid)
+    return _walk(call, first)
 
 
 def build_chains(
