@@ -30,27 +30,21 @@ def spy_routes(monkeypatch: Any, *, compiled_only: bool = False) -> list[str]:
         return dataclasses.replace(route, build=build)
 
     monkeypatch.setattr(routes, "ROUTES", tuple(spying(route) for route in routes.ROUTES))
-    # build_chain_bitmask calls the first row's build (routes._lists) directly: record it there
-    lists = routes._lists
-
-    def spying_lists(*args: Any) -> Any:
-        result = lists(*args)
-        if result is not None:
-            taken.append(routes.ROUTES[0].name)
-        return result
-
-    monkeypatch.setattr(routes, "_lists", spying_lists)
-    # build_host_bitmask calls the "one call" row's build (routes._one_call) directly too
-    one_call = routes._one_call
-
-    def spying_one_call(*args: Any) -> Any:
-        result = one_call(*args)
-        if result is not None:
-            taken.append(routes.ROUTES[1].name)
-        return result
-
-    monkeypatch.setattr(routes, "_one_call", spying_one_call)
+    # the entry points call the builds of "chain lists" (routes._lists) and "one call"
+    # (routes._one_call) directly: record those rows there
+    for function, name in (("_lists", "chain lists"), ("_one_call", "one call")):
+        monkeypatch.setattr(routes, function, _recording(getattr(routes, function), name, taken))
     return taken
+
+
+def _recording(function: Any, name: str, taken: list[str]) -> Any:
+    def spy(*args: Any) -> Any:
+        result = function(*args)
+        if result is not None:
+            taken.append(name)
+        return result
+
+    return spy
 
 
 def spy_short_paths(monkeypatch: Any) -> list[str]:
