@@ -91,7 +91,8 @@ ROW_WORDS = 512
 #: schema: 96 rows 424 against 703 µs in two parts, 320 rows 1.26 against 1.39 ms; from 512
 #: rows on the parts win, 2.42 against 2.53 ms, 1,280 rows 4.53 against 4.98); in these units
 #: 228 rows of 131k, 200 of 152k (parts at 320 rows of 131k, K=4 batch 64: 1.20 to 1.43x the
-#: serial fill against 1.08 to 1.13x on one thread). The one-call rows take builds below it.
+#: serial fill against 1.08 to 1.13x on one thread; 1.22 to 1.58x against 1.13 to 1.23x in three
+#: quiet runs of docs/results/2026-12-06-routes.md). The one-call rows take builds below it.
 ONE_THREAD_WORK = 1_048_576
 
 #: The planner runs its jobs on the pool from this much work with a grammar: below it, waking
