@@ -15,6 +15,9 @@ result for the process.
   from the GGUF, what ``AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")``
   returns; :func:`cache_hf_tokenizer` stores it in the Hugging Face cache once, after which
   that ``from_pretrained`` call itself works offline (``HF_HUB_OFFLINE=1``), as in the docs.
+* Schema workloads: :data:`INVOICE_SCHEMA` (an API payload) and :data:`TOOL_CALL_SCHEMA` (a
+  function call), long fixed keys, enums and nested objects, with a prompt each in
+  :data:`SCHEMA_WORKLOADS`: the shapes of output where the grammar alone decides many tokens.
 * Sample grammars: :data:`PERSON_SCHEMA` (JSON schema), :data:`EBNF_KEY_VALUES`,
   :data:`REGEX_DATE_EMAIL`, :data:`LARK_KEY_VALUES`, compiled by :func:`compile_sample`
   (xgrammar), :func:`llguidance_matcher` and :func:`outlines_guide` on the same vocabulary.
@@ -36,9 +39,12 @@ from typing import Any
 __all__ = [
     "EBNF_KEY_VALUES",
     "ENGINE_KINDS",
+    "INVOICE_SCHEMA",
     "LARK_KEY_VALUES",
     "PERSON_SCHEMA",
     "REGEX_DATE_EMAIL",
+    "SCHEMA_WORKLOADS",
+    "TOOL_CALL_SCHEMA",
     "VOCAB_FILE_ENV",
     "GGUFVocab",
     "SampleTokenizer",
@@ -82,6 +88,95 @@ PERSON_SCHEMA: dict[str, Any] = {
         "tags": {"type": "array", "items": {"type": "string"}},
     },
     "required": ["name", "age", "address"],
+}
+
+# An invoice as an API would take it: long fixed keys, enums, nested objects, a list of lines.
+INVOICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "invoice_number": {"type": "string", "pattern": "^INV-[0-9]{6}$"},
+        "issue_date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "currency_code": {"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]},
+        "payment_status": {"type": "string", "enum": ["pending", "paid", "overdue", "cancelled"]},
+        "billing_customer": {
+            "type": "object",
+            "properties": {
+                "customer_full_name": {"type": "string"},
+                "customer_email_address": {"type": "string"},
+                "customer_account_type": {"type": "string", "enum": ["personal", "business"]},
+            },
+            "required": ["customer_full_name", "customer_email_address", "customer_account_type"],
+            "additionalProperties": False,
+        },
+        "invoice_line_items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "item_description": {"type": "string"},
+                    "item_quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "item_unit_price": {"type": "number"},
+                },
+                "required": ["item_description", "item_quantity", "item_unit_price"],
+                "additionalProperties": False,
+            },
+        },
+        "total_amount_due": {"type": "number"},
+    },
+    "required": [
+        "invoice_number",
+        "issue_date",
+        "currency_code",
+        "payment_status",
+        "billing_customer",
+        "invoice_line_items",
+        "total_amount_due",
+    ],
+    "additionalProperties": False,
+}
+
+# A tool call as a chat model emits one: the function's name from a fixed set, its arguments.
+TOOL_CALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "tool_call_type": {"type": "string", "enum": ["function"]},
+        "function_name": {
+            "type": "string",
+            "enum": ["get_current_weather", "search_flight_offers", "create_calendar_event"],
+        },
+        "function_arguments": {
+            "type": "object",
+            "properties": {
+                "location_city_name": {"type": "string"},
+                "temperature_unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "include_hourly_forecast": {"type": "boolean"},
+                "forecast_days_ahead": {"type": "integer", "minimum": 1, "maximum": 14},
+            },
+            "required": [
+                "location_city_name",
+                "temperature_unit",
+                "include_hourly_forecast",
+                "forecast_days_ahead",
+            ],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["tool_call_type", "function_name", "function_arguments"],
+    "additionalProperties": False,
+}
+
+#: ``{name: (schema, prompt)}``: schema-shaped outputs for drafting workloads and benchmarks.
+SCHEMA_WORKLOADS: dict[str, tuple[dict[str, Any], str]] = {
+    "invoice": (
+        INVOICE_SCHEMA,
+        "Write the invoice for two hours of plumbing work for Jane Doe as JSON.",
+    ),
+    "tool_call": (
+        TOOL_CALL_SCHEMA,
+        "Call the weather tool for Paris, three days ahead, as JSON.",
+    ),
 }
 
 # key = value lines, values are numbers, quoted strings or lists of numbers.
