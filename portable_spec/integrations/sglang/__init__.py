@@ -26,7 +26,11 @@ The package, a file per job:
 * ``grammars.py``: what the library is handed for each request, by sglang's grammar rules;
 * ``masks.py``: the speculative build, its shadow mode, the counters;
 * ``guidance.py``: the llguidance rows sglang builds otherwise, rebuilt by its own methods;
-* ``plain.py``: the plain batch fill.
+* ``plain.py``: the plain batch fill;
+* ``drafting.py``: grammar-aware drafting's switch (``PORTABLE_SPEC_SGLANG_DRAFTING``) and the
+  verify mask of a drafted step; ``eagle_draft.py``: the EAGLE v2 draft loop in a
+  ``DraftSession``; ``ngram.py``: the NGRAM worker's trees, refused nodes replaced by the
+  grammar's forced continuation.
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ from __future__ import annotations
 from typing import Any
 
 from portable_spec.integrations.patching import ImportHook, PatchSet, read_mode
-from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang import drafting, internals
 
 __all__ = [
+    "DRAFTING_ENV_VAR",
     "ENV_VAR",
     "install",
     "integration_stats",
     "is_installed",
     "register",
     "reset_stats",
+    "set_drafting",
     "uninstall",
 ]
 
@@ -50,7 +56,9 @@ ENV_VAR = "PORTABLE_SPEC_SGLANG"
 #: the module whose import (in the scheduler's process) installs the plugin
 _TRIGGER = "sglang.srt.speculative.spec_utils"
 
-_state: dict[str, Any] = {"patches": None, "hook": None}
+DRAFTING_ENV_VAR = drafting.DRAFTING_ENV_VAR
+
+_state: dict[str, Any] = {"patches": None, "hook": None, "drafting": None}
 
 
 def _patches() -> PatchSet:
@@ -62,6 +70,62 @@ def _patches() -> PatchSet:
         patches = internals.patch_set(build_replacement, chain_replacement, fill_replacement)
         _state["patches"] = patches
     return patches
+
+
+def _draft_makers() -> dict[str, Any]:
+    from portable_spec.integrations.sglang import eagle_draft
+
+    return {
+        internals.EAGLE_STEP: eagle_draft.wrap_forward_batch_generation,
+        internals.EAGLE_DRAFT: eagle_draft.wrap_draft,
+        internals.EAGLE_DRAFT_FORWARD: eagle_draft.wrap_draft_forward,
+        internals.EAGLE_SELECT: eagle_draft.wrap_select,
+        internals.EAGLE_EXTEND_DECODE: eagle_draft.wrap_extend,
+        internals.EAGLE_EXTEND_PREFILL: eagle_draft.wrap_extend,
+        internals.EAGLE_ORGANIZE: eagle_draft.wrap_organize,
+        internals.EAGLE_DRAFT_GRAPH: eagle_draft.wrap_can_run_graph,
+    }
+
+
+def _draft_sets() -> dict[str, tuple[PatchSet, drafting.WhenImported]]:
+    """The drafting patch sets, each with what installs it when its worker module is
+    imported (the plugin never imports a speculative worker module itself)."""
+    sets = _state["drafting"]
+    if sets is None:
+        makers = _draft_makers()
+        sets = {}
+        for name in internals.DRAFT_SETS:
+            patches = internals.draft_patch_set(name, makers)
+            waiter = drafting.WhenImported(
+                internals.draft_module(name),
+                lambda _module, patches=patches: _install_drafting(patches),
+            )
+            sets[name] = (patches, waiter)
+        _state["drafting"] = sets
+    return sets
+
+
+def _install_drafting(patches: PatchSet) -> None:
+    if is_installed() and drafting.mode() != "off":
+        patches.install()
+
+
+def _set_draft_patches(on: bool) -> None:
+    """The drafting patches in place (``on``: now where their worker module is imported,
+    else when it is) or sglang's own draft code back."""
+    if on:
+        for _, waiter in _draft_sets().values():
+            waiter.activate()
+        return
+    if _state["drafting"] is None:
+        return
+    for patches, waiter in _state["drafting"].values():
+        waiter.deactivate()
+        patches.uninstall()
+    drafting.clear()
+    from portable_spec.integrations.sglang.eagle_draft import forget_roots
+
+    forget_roots()
 
 
 def register() -> None:
@@ -86,8 +150,12 @@ def install(mode: str = "on") -> bool:
         raise ValueError(f"mode must be 'on' or 'shadow', got {mode!r}")
     from portable_spec.integrations.sglang.masks import Active
 
+    drafting.switch()  # a bad PORTABLE_SPEC_SGLANG_DRAFTING raises before anything is patched
     Active.mode = mode
-    return _patches().install()
+    if not _patches().install():
+        return False
+    _set_draft_patches(drafting.mode() != "off")
+    return True
 
 
 def uninstall() -> None:
@@ -97,8 +165,20 @@ def uninstall() -> None:
     if hook is not None:
         hook.deactivate()
         _state["hook"] = None
+    _set_draft_patches(False)
     if _state["patches"] is not None:
         _state["patches"].uninstall()
+
+
+def set_drafting(mode: str | bool) -> None:
+    """Grammar-aware drafting (``PORTABLE_SPEC_SGLANG_DRAFTING``, read at :func:`install`):
+    ``True``/``"on"`` (the default: the drafts of grammar requests are tokens their grammar
+    allows, or its forced continuation), ``"shadow"`` (sglang's own drafts, the plugin's
+    counted beside them) or ``False``/``"off"`` (sglang's own draft code). Takes effect at once
+    where the plugin is installed."""
+    drafting.set_mode({True: "on", False: "off"}.get(mode, mode))  # type: ignore[call-overload]
+    if is_installed():
+        _set_draft_patches(drafting.mode() != "off")
 
 
 def is_installed() -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 import portable_spec as ps
 from portable_spec.errors import MatcherError
 from portable_spec.integrations.patching import Stats
-from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang import drafting, internals
 from portable_spec.integrations.sglang.grammars import Plan, plan_step, warn_once
 from portable_spec.integrations.sglang.guidance import repaired_rows
 from portable_spec.integrations.sglang.internals import CHAIN_MARK, logger
@@ -56,6 +56,18 @@ STATS = Stats(
         "rows_differing",
         "fills",
         "fills_built",
+        # grammar-aware drafting (.drafting): draft loops run in a session, the rows they
+        # computed for the draft head, verify masks gathered from them (and trees found not
+        # to be the drafted one), drafted verify nodes the grammar refuses; NGRAM nodes
+        # replaced by forced tokens, forced tokens drafted and accepted
+        "draft_steps",
+        "draft_rows",
+        "draft_verify_masks",
+        "draft_mismatches",
+        "refused_draft_nodes",
+        "ngram_nodes_replaced",
+        "forced_tokens",
+        "forced_tokens_accepted",
     )
 )
 _LOGGED_DIFFERENCES = 20
@@ -180,6 +192,9 @@ def _library_rows(
 ) -> tuple[Any, np.ndarray | None]:
     import torch
 
+    drafted = drafting.drafted_rows(plan, arrays, vocab_size, device)
+    if drafted is not None:  # the step was drafted in a session: its rows, gathered
+        return drafted
     next_token, next_sibling, draft = arrays
     if chain:
         tree = ps.GrammarTree.from_linear_chain(draft)

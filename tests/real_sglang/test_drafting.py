@@ -1,0 +1,153 @@
+"""(g) Grammar-aware drafting: sglang's EAGLE v2 draft loop and NGRAM worker with drafting on
+and off, over JSON documents of the library's schema workloads written by a scripted target.
+
+EAGLE: sglang's own ``EagleDraftWorker`` (``draft``, ``draft_forward``, ``select_top_k_tokens``,
+``organize_draft_results``, ``build_eagle_verify_input``, ``_draft_extend_for_decode``) with a
+stand-in draft head of random logits, ``run_eagle_verify`` after it, several steps per
+request. With drafting on, every drafted node the verify tree holds is one the grammar allows
+(replayed with sglang's grammar methods on the request's grammar), except slots where the
+grammar allowed fewer tokens than top-k; every verify mask equals sglang's own build of the
+same tree; the committed tokens are those of the run with drafting off (each request's
+document). With drafting off, the same head drafts tokens the grammar refuses where it allows
+many.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import _draft
+import _eagle
+import _sgl
+import _verify
+import torch
+
+from portable_spec.integrations import sglang as plugin
+
+EAGLE_SHAPE = (4, 3, 8)  # topk, steps, draft tokens
+EAGLE_STEPS = 4  # verify steps per request
+#: tokens of each document committed before the first step: inside the invoice number's digits,
+#: before a free string (the city), inside a key (forced tokens)
+EAGLE_STARTS = (10, 34, 3)
+
+
+def _spy_build(monkeypatch, seen: list) -> None:
+    """Record, at each verify build, the tree, sglang's own rows for it and the mask built."""
+    from sglang.srt.speculative import eagle_worker_common
+
+    build = eagle_worker_common.build_grammar_vocab_mask
+
+    def spy(*, reqs, tree, sampling_info, device, barrier):
+        host = [t.clone() for t in tree.resolve()]
+        theirs, _ = _sgl.spec_utils().generate_token_bitmask(
+            reqs, *host, sampling_info.vocab_size
+        )
+        out = build(reqs=reqs, tree=tree, sampling_info=sampling_info, device=device,
+                    barrier=barrier)  # fmt: skip
+        seen.append((host, theirs, None if out is None else out.vocab_mask.cpu()))
+        return out
+
+    monkeypatch.setattr(eagle_worker_common, "build_grammar_vocab_mask", spy)
+
+
+def _refused_drafts(writers, verify_input, topk: int, vocab: int) -> tuple[int, int]:
+    """Per step: ``(refused nodes where the parent allowed at least top-k tokens, refused
+    nodes where it allowed fewer)``, by replaying every node's path with sglang's grammar
+    methods on each request's grammar (rolled back after)."""
+    next_token, next_sibling, draft = (t.numpy() for t in _eagle.tree_of(verify_input))
+    wasted = dead = 0
+    for b, w in enumerate(writers):
+        allowed = _verify.node_allowed(w.grammar, next_token[b], next_sibling[b], draft[b], vocab)
+        parent = {int(c): p for p in range(len(draft[b])) for c in _children(next_token[b],
+                  next_sibling[b], p)}  # fmt: skip
+        for j in range(1, len(draft[b])):
+            p = parent.get(j)
+            if p is None or allowed[j] is not None or allowed[p] is None:
+                continue
+            if len(allowed[p]) >= topk:
+                wasted += 1
+            else:
+                dead += 1
+    return wasted, dead
+
+
+def _children(next_token, next_sibling, p: int) -> list[int]:
+    out, c = [], int(next_token[p])
+    while c != -1:
+        out.append(c)
+        c = int(next_sibling[c])
+    return out
+
+
+def _run_eagle(backend: str, drafting: bool, monkeypatch) -> dict:
+    topk, steps, nodes = EAGLE_SHAPE
+    vocab = _sgl.VOCAB
+    words = (vocab + 31) // 32
+    writers = _draft.writers(backend, 3, EAGLE_STARTS)
+    worker = _draft.draft_worker(topk, steps, nodes, vocab, seed=11)
+    seen: list = []
+    wasted = dead = committed_total = 0
+    plugin.reset_stats()
+    with _sgl.plugin_on():
+        plugin.set_drafting(drafting)
+        _spy_build(monkeypatch, seen)
+        spec = _draft.first_draft_input(worker, writers, vocab)
+        for _ in range(EAGLE_STEPS):
+            before = [_sgl.fingerprint(w.grammar, words) for w in writers]
+            verify_input, committed, spec = _draft.eagle_step(worker, writers, spec, vocab)
+            assert [_sgl.fingerprint(w.grammar, words) for w in writers] == before
+            w_, d_ = _refused_drafts(writers, verify_input, topk, vocab)
+            wasted, dead = wasted + w_, dead + d_
+            for w, tokens in zip(writers, committed, strict=True):
+                assert _verify.grammatical(w.grammar, tokens), tokens
+                committed_total += len(w.commit(tokens))
+        stats = plugin.integration_stats()
+        plugin.set_drafting(True)
+    for host, theirs, mine in seen:
+        assert mine is not None and torch.equal(mine, theirs)
+    _sgl.COUNTS["drafted verify masks compared"] += len(seen)
+    return {
+        "outputs": [w.output_ids for w in writers],
+        "documents": [w.document for w in writers],
+        "wasted": wasted,
+        "dead": dead,
+        "stats": stats,
+        "per_step": committed_total / (EAGLE_STEPS * len(writers)),
+    }
+
+
+@_sgl.cpu_only
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_eagle_draft_steps(backend, monkeypatch):
+    topk, steps, nodes = EAGLE_SHAPE
+    with (
+        _eagle.server_args(
+            speculative_algorithm="EAGLE", speculative_num_steps=steps,
+            speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes, device="cpu",
+        ),
+        _draft.stand_in_preparations(),
+    ):  # fmt: skip
+        on = _run_eagle(backend, True, monkeypatch)
+        monkeypatch.undo()
+        off = _run_eagle(backend, False, monkeypatch)
+    # committed tokens: each request's document so far (the scripted target's greedy output,
+    # masked or not), with and without drafting; drafting commits more of it per step
+    for run in (on, off):
+        for output, document in zip(run["outputs"], run["documents"], strict=True):
+            assert output == document[: len(output)]
+    # drafting on: no drafted node refused where the grammar allowed top-k tokens
+    assert on["wasted"] == 0, on
+    assert off["wasted"] > 0, off  # the head does draft refused tokens without the masks
+    stats = on["stats"]
+    assert stats["draft_steps"] == EAGLE_STEPS
+    assert stats["draft_verify_masks"] == EAGLE_STEPS and stats["draft_mismatches"] == 0
+    assert stats["draft_rows"] > 0
+    assert off["stats"]["draft_steps"] == 0
+    assert on["per_step"] > off["per_step"], (on["per_step"], off["per_step"])
+    _sgl.COUNTS["drafted EAGLE steps"] += EAGLE_STEPS
+    print(json.dumps({"backend": backend, "tokens per request-step": {
+        "drafting on": on["per_step"], "drafting off": off["per_step"]}, "dead slots": on["dead"]}))  # fmt: skip
