@@ -27,9 +27,14 @@ end, also when it raises).
 The rows follow the row contract of :func:`portable_spec.build_host_bitmask`, node by node:
 the verify mask of any subtree of the drafted tree (:meth:`DraftSession.verify_mask`) is
 bit-identical to :func:`portable_spec.build_grammar_vocab_mask` on that subtree.
+
+Drafters whose drafts reach the host before verify (n-gram, suffix, any chain) extend them by
+what the grammar forces with :func:`forced_drafts` (:mod:`portable_spec.drafting.forced`), in
+the tokens the model's tokenizer gives the forced text.
 """
 
+from portable_spec.drafting.forced import forced_drafts
 from portable_spec.drafting.session import DraftSession, forced_tokens
 from portable_spec.drafting.trees import graft_chain, links_from_parents
 
-__all__ = ["DraftSession", "forced_tokens", "graft_chain", "links_from_parents"]
+__all__ = ["DraftSession", "forced_drafts", "forced_tokens", "graft_chain", "links_from_parents"]

@@ -40,6 +40,7 @@ import numpy as np
 
 from portable_spec import native as compiled
 from portable_spec.engines.base import IdentityCache, MatcherInfo, NodeStates
+from portable_spec.engines.cursor import Cursor, whole_characters
 from portable_spec.engines.walk import (
     ENDED_FREE,
     ENDED_HELD,
@@ -50,6 +51,7 @@ from portable_spec.engines.walk import (
 )
 
 __all__ = [
+    "LLGuidanceCursor",
     "LLGuidanceStates",
     "check_llmatcher",
     "ended",
@@ -539,3 +541,42 @@ class LLGuidanceStates(NodeStates):
     def close(self) -> None:
         self.states.clear()
         self.stopped.clear()
+
+
+class LLGuidanceCursor(Cursor):
+    """Forced drafting on an ``llguidance.LLMatcher``: one ``deep_copy()`` walked forward (the
+    matcher never moves), each token tested against the state's mask first (llguidance's
+    parser takes other tokenizations of allowed text that its mask leaves out). Forced text:
+    ``compute_ff_bytes()`` cut to whole characters; forced tokens: ``compute_ff_tokens()``
+    (llguidance's own segmentation, by the tokenizer it was built with)."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo) -> None:
+        super().__init__(matcher, info)
+        self.state = matcher.deep_copy()
+        self.stopped = bool(self.state.is_stopped())  # complete: only the end token follows
+
+    def alive(self) -> bool:
+        return not ended(self.state)
+
+    def _take(self, token: int) -> int:
+        outcome = take_token(self.state, token, self.stopped)
+        if outcome == LIVE:
+            self.stopped = bool(self.state.is_stopped())
+        return outcome
+
+    def _fill(self, out: np.ndarray) -> None:
+        self.state.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def may_end(self) -> bool:
+        return self.stopped or bool(self.state.is_accepting())
+
+    def forced_text(self) -> str | None:
+        return "" if self.stopped else whole_characters(bytes(self.state.compute_ff_bytes()))
+
+    def forced_tokens(self, most: int) -> list[int] | None:
+        if self.stopped:
+            return []
+        return [int(t) for t in self.state.compute_ff_tokens()][:most]
+
+    def close(self) -> None:
+        self.state = None
