@@ -231,7 +231,7 @@ def writers(backend: str, count: int = 6, starts: tuple[int, ...] = ()) -> list[
     for i in range(count):
         workload = names[i % len(names)]
         schema, prompt = SCHEMA_WORKLOADS[workload]
-        made = getattr(_sgl.backend(backend), "dispatch_json")(json.dumps(schema))
+        made = _sgl.backend(backend).dispatch_json(json.dumps(schema))
         assert made is not None and type(made).__name__ != "InvalidGrammarObject", made
         tokens = _sgl.tokenizer().encode(prompt, add_special_tokens=False)
         document = document_tokens(DOCUMENTS[workload][(i // len(names)) % 3])
@@ -384,7 +384,9 @@ def stand_in_preparations() -> Iterator[None]:
 
     names = ("prepare_for_draft", "prepare_for_draft_extend", "ForwardBatch")
     saved = [getattr(module, name) for name in names]
-    for name, value in zip(names, (prepare_for_draft, prepare_for_draft_extend, ForwardBatch)):
+    for name, value in zip(
+        names, (prepare_for_draft, prepare_for_draft_extend, ForwardBatch), strict=True
+    ):
         setattr(module, name, value)
     try:
         yield
@@ -447,3 +449,58 @@ def eagle_step(worker: Any, writers_: list[Writer], spec: Any, vocab: int) -> tu
 def _committed(result: Any, nodes: int) -> list[list[int]]:
     ids = result.next_token_ids.view(-1, nodes)
     return [ids[b, : int(n)].tolist() for b, n in enumerate(result.accept_lens)]
+
+
+# -- sglang's NGRAM worker around the scripted target --------------------------------------------
+
+
+def ngram_worker(corpus_: list[list[int]], vocab: int) -> Any:
+    """A fresh sglang ``NGRAMWorker`` (sglang's server arguments must say NGRAM) whose corpus
+    holds ``corpus_`` and whose target model is the scripted writer of each batch's
+    :class:`Writer` requests (:func:`target_logits`); its memory pools are stand-ins, the
+    model's tokenizer SmolLM2's. ``worker.trees`` records the verify trees the worker's
+    kernel derived from its tree masks."""
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+    from transformers import LlamaConfig
+
+    slots = 8
+    req_to_token = torch.arange(slots * 1024, dtype=torch.int32).view(slots, 1024)
+    kv = NS(move_kv_cache=lambda target, source: None)
+    pools = (NS(req_to_token=req_to_token), NS(get_kvcache=lambda: kv))
+    trees: list = []
+
+    def forward(batch: Any, pp_proxy_tensors: Any = None, is_verify: bool = False) -> Any:
+        verify_input = batch.spec_info
+        shape = verify_input.retrieve_next_token.shape
+        tree = (verify_input.retrieve_next_token.clone(),
+                verify_input.retrieve_next_sibling.clone(),
+                verify_input.draft_token.view(shape).clone())  # fmt: skip
+        trees.append(tree)
+        logits = target_logits(batch.reqs, tree, vocab)
+        return NS(logits_output=NS(next_token_logits=logits, hidden_states=None),
+                  can_run_cuda_graph=False)  # fmt: skip
+
+    model_runner = NS(
+        max_running_requests=slots, watermark_state=None,
+        model_config=NS(hf_config=LlamaConfig(), is_draft_model=False,
+                        linear_attn_registry_result=None),
+        spec_algorithm=NS(is_standalone=lambda: False),
+    )  # fmt: skip
+    target = NS(model_runner=model_runner, get_memory_pool=lambda: pools,
+                forward_batch_generation=forward, tokenizer=_sgl.tokenizer())  # fmt: skip
+    made = NGRAMWorker(server_args=None, gpu_id=0, nccl_port=0, target_worker=target)
+    made.alloc_memory_pool()
+    if corpus_:
+        made.ngram_corpus.batch_put(corpus_)
+    made.ngram_corpus.synchronize()
+    made.trees = trees
+    return made
+
+
+def ngram_step(worker: Any, writers_: list[Writer]) -> list[list[int]]:
+    """One decode step of sglang's ``NGRAMWorker.forward_batch_generation`` over the
+    requests not finished: the tokens each commits (the grammars are not moved)."""
+    import _ngram
+
+    result = _ngram.step(worker, writers_)
+    return _ngram.committed(result, len(writers_))

@@ -14,7 +14,10 @@ many.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,23 +38,27 @@ EAGLE_STEPS = 4  # verify steps per request
 EAGLE_STARTS = (10, 34, 3)
 
 
-def _spy_build(monkeypatch, seen: list) -> None:
-    """Record, at each verify build, the tree, sglang's own rows for it and the mask built."""
-    from sglang.srt.speculative import eagle_worker_common
-
-    build = eagle_worker_common.build_grammar_vocab_mask
+@contextlib.contextmanager
+def _spy_build(module_name: str, seen: list) -> Iterator[None]:
+    """While the plugin is installed: record, at each verify build the worker module makes,
+    the tree, sglang's own rows for it and the mask built (the module's binding restored
+    before the plugin is uninstalled)."""
+    module = importlib.import_module(module_name)
+    build = module.build_grammar_vocab_mask
 
     def spy(*, reqs, tree, sampling_info, device, barrier):
         host = [t.clone() for t in tree.resolve()]
-        theirs, _ = _sgl.spec_utils().generate_token_bitmask(
-            reqs, *host, sampling_info.vocab_size
-        )
+        theirs, _ = _sgl.spec_utils().generate_token_bitmask(reqs, *host, sampling_info.vocab_size)
         out = build(reqs=reqs, tree=tree, sampling_info=sampling_info, device=device,
                     barrier=barrier)  # fmt: skip
         seen.append((host, theirs, None if out is None else out.vocab_mask.cpu()))
         return out
 
-    monkeypatch.setattr(eagle_worker_common, "build_grammar_vocab_mask", spy)
+    module.build_grammar_vocab_mask = spy
+    try:
+        yield
+    finally:
+        module.build_grammar_vocab_mask = build
 
 
 def _refused_drafts(writers, verify_input, topk: int, vocab: int) -> tuple[int, int]:
@@ -83,7 +90,7 @@ def _children(next_token, next_sibling, p: int) -> list[int]:
     return out
 
 
-def _run_eagle(backend: str, drafting: bool, monkeypatch) -> dict:
+def _run_eagle(backend: str, drafting: bool) -> dict:
     topk, steps, nodes = EAGLE_SHAPE
     vocab = _sgl.VOCAB
     words = (vocab + 31) // 32
@@ -92,9 +99,8 @@ def _run_eagle(backend: str, drafting: bool, monkeypatch) -> dict:
     seen: list = []
     wasted = dead = committed_total = 0
     plugin.reset_stats()
-    with _sgl.plugin_on():
+    with _sgl.plugin_on(), _spy_build("sglang.srt.speculative.eagle_worker_common", seen):
         plugin.set_drafting(drafting)
-        _spy_build(monkeypatch, seen)
         spec = _draft.first_draft_input(worker, writers, vocab)
         for _ in range(EAGLE_STEPS):
             before = [_sgl.fingerprint(w.grammar, words) for w in writers]
@@ -107,7 +113,8 @@ def _run_eagle(backend: str, drafting: bool, monkeypatch) -> dict:
                 committed_total += len(w.commit(tokens))
         stats = plugin.integration_stats()
         plugin.set_drafting(True)
-    for host, theirs, mine in seen:
+    plugin.reset_stats()
+    for _, theirs, mine in seen:
         assert mine is not None and torch.equal(mine, theirs)
     _sgl.COUNTS["drafted verify masks compared"] += len(seen)
     return {
@@ -122,7 +129,7 @@ def _run_eagle(backend: str, drafting: bool, monkeypatch) -> dict:
 
 @_sgl.cpu_only
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_eagle_draft_steps(backend, monkeypatch):
+def test_eagle_draft_steps(backend):
     topk, steps, nodes = EAGLE_SHAPE
     with (
         _eagle.server_args(
@@ -131,9 +138,8 @@ def test_eagle_draft_steps(backend, monkeypatch):
         ),
         _draft.stand_in_preparations(),
     ):  # fmt: skip
-        on = _run_eagle(backend, True, monkeypatch)
-        monkeypatch.undo()
-        off = _run_eagle(backend, False, monkeypatch)
+        on = _run_eagle(backend, True)
+        off = _run_eagle(backend, False)
     # committed tokens: each request's document so far (the scripted target's greedy output,
     # masked or not), with and without drafting; drafting commits more of it per step
     for run in (on, off):
@@ -151,3 +157,73 @@ def test_eagle_draft_steps(backend, monkeypatch):
     _sgl.COUNTS["drafted EAGLE steps"] += EAGLE_STEPS
     print(json.dumps({"backend": backend, "tokens per request-step": {
         "drafting on": on["per_step"], "drafting off": off["per_step"]}, "dead slots": on["dead"]}))  # fmt: skip
+
+
+# -- NGRAM ---------------------------------------------------------------------------------------
+
+NGRAM_NODES = 8
+NGRAM_STEPS = 6
+#: tokens of each document committed before the first step (the JSON's opening, a key, a value)
+NGRAM_STARTS = (1, 5, 12, 30)
+
+
+def _run_ngram(backend: str, drafting: bool, corpus: list) -> dict:
+    vocab = _sgl.VOCAB
+    words = (vocab + 31) // 32
+    writers = _draft.writers(backend, len(NGRAM_STARTS), NGRAM_STARTS)
+    seen: list = []
+    committed_total = steps = 0
+    plugin.reset_stats()
+    with _sgl.plugin_on(), _spy_build("sglang.srt.speculative.ngram_worker", seen):
+        plugin.set_drafting(drafting)
+        worker = _draft.ngram_worker(corpus, vocab)
+        for _ in range(NGRAM_STEPS):
+            active = [w for w in writers if not w.finished]
+            before = [_sgl.fingerprint(w.grammar, words) for w in active]
+            committed = _draft.ngram_step(worker, active)
+            assert [_sgl.fingerprint(w.grammar, words) for w in active] == before
+            for w, tokens in zip(active, committed, strict=True):
+                assert _verify.grammatical(w.grammar, tokens), tokens
+                committed_total += len(w.commit(tokens))
+            steps += len(active)
+        plugin.set_drafting(True)
+        stats = plugin.integration_stats()
+    plugin.reset_stats()
+    assert len(seen) == len(worker.trees) == NGRAM_STEPS
+    for (host, theirs, mine), device_tree in zip(seen, worker.trees, strict=True):
+        # the links sglang's kernel derived from the tree mask are the host tree's
+        for a, b in zip(host[:2], device_tree[:2], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(host[2], device_tree[2])
+        assert mine is not None and torch.equal(mine, theirs)
+    _sgl.COUNTS["drafted verify masks compared"] += len(seen)
+    return {
+        "outputs": [w.output_ids for w in writers],
+        "documents": [w.document for w in writers],
+        "stats": stats,
+        "per_step": committed_total / steps,
+    }
+
+
+@_sgl.cpu_only
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_ngram_forced_drafts(backend):
+    with _eagle.server_args(
+        speculative_algorithm="NGRAM", speculative_num_draft_tokens=NGRAM_NODES,
+        speculative_ngram_max_trie_depth=8, speculative_ngram_capacity=100_000,
+        disable_overlap_schedule=True, device="cpu",
+    ):  # fmt: skip
+        on = _run_ngram(backend, True, [])
+        off = _run_ngram(backend, False, [])
+    for run in (on, off):
+        for output, document in zip(run["outputs"], run["documents"], strict=True):
+            assert output == document[: len(output)]
+    stats = on["stats"]
+    assert stats["draft_steps"] == NGRAM_STEPS and stats["draft_verify_masks"] == NGRAM_STEPS
+    assert stats["draft_mismatches"] == 0
+    assert stats["ngram_nodes_replaced"] > 0 and stats["forced_tokens_accepted"] > 0
+    assert off["stats"]["draft_steps"] == 0 and off["stats"]["ngram_nodes_replaced"] == 0
+    assert on["per_step"] > off["per_step"], (on["per_step"], off["per_step"])
+    _sgl.COUNTS["drafted NGRAM steps"] += NGRAM_STEPS
+    print(json.dumps({"backend": backend, "NGRAM tokens per request-step (empty corpus)": {
+        "drafting on": on["per_step"], "drafting off": off["per_step"]}}))  # fmt: skip

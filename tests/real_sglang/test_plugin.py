@@ -7,7 +7,9 @@ with the variable unset nothing of the plugin nor of sglang's speculative code i
 misspelt value is refused by name (sglang logs the plugin's error and goes on without it);
 ``1`` installs the plugin when sglang's speculative utilities are imported, with one log line,
 in every worker module that binds the mask build (imported before the plugin, or after), and
-``uninstall()`` gives every one of them sglang's own function back.
+``uninstall()`` gives every one of them sglang's own function back. The drafting patches
+install when their worker module is imported (one log line each), and
+``PORTABLE_SPEC_SGLANG_DRAFTING`` switches them alone.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ FRESH = textwrap.dedent(
         importlib.import_module(name)
     from portable_spec.integrations import sglang as plugin
     out["installed"] = plugin.is_installed()
+    importlib.import_module("sglang.srt.speculative.eagle_worker_v2")
     out["on_lines"] = [m for n, m in records if n.startswith("sglang.portable_spec")]
     def bound(name):
         value = sys.modules[name].build_grammar_vocab_mask
@@ -100,7 +103,11 @@ def test_entry_point_in_a_fresh_process():
     assert out["off_modules"] == [], out["off_modules"]
     assert out["bogus"] and all("'yes'" in m for m in out["bogus"]), out["bogus"]
     assert out["installed"]
-    assert out["on_lines"] == ["portable_spec: sglang 0.5.23 patched (3 functions replaced)"]
+    assert out["on_lines"] == [
+        "portable_spec: sglang 0.5.23 patched (3 functions replaced)",
+        "portable_spec: sglang NGRAM drafting 0.5.23 patched (2 functions replaced)",
+        "portable_spec: sglang EAGLE drafting 0.5.23 patched (8 functions replaced)",
+    ]
     assert all(out["bound"].values()), out["bound"]
     assert not any(out["after"].values()), out["after"]
 
@@ -161,3 +168,49 @@ def test_modes_and_stats():
     assert not plugin.is_installed()
     stats = plugin.integration_stats()
     assert {"steps", "built", "rows_compared", "rows_differing", "median_us"} <= set(stats)
+    assert {"draft_steps", "draft_rows", "ngram_nodes_replaced", "forced_tokens_accepted"} <= set(
+        stats
+    )
+
+
+def test_drafting_switch(monkeypatch):
+    """``PORTABLE_SPEC_SGLANG_DRAFTING`` (read at install) and ``set_drafting``: off leaves
+    sglang's own draft code; on and shadow patch it; a misspelt value is refused by name
+    before anything is patched."""
+    from sglang.srt.speculative import eagle_worker_v2, ngram_worker
+
+    from portable_spec.integrations.sglang import drafting
+
+    def patched() -> list[bool]:
+        return [
+            hasattr(eagle_worker_v2.EagleDraftWorker.draft, "__portable_spec_original__"),
+            hasattr(ngram_worker.NGRAMWorker._prepare_draft_tokens, "__portable_spec_original__"),
+        ]
+
+    try:
+        for value, expected in (
+            ("0", [False, False]),
+            ("", [True, True]),
+            ("shadow", [True, True]),
+        ):
+            monkeypatch.setenv(drafting.DRAFTING_ENV_VAR, value)
+            drafting.set_mode(None)  # read the variable again
+            with _sgl.plugin_on():
+                assert patched() == expected, value
+                assert drafting.mode() == {"0": "off", "": "on", "shadow": "shadow"}[value]
+            assert patched() == [False, False]
+        monkeypatch.setenv(drafting.DRAFTING_ENV_VAR, "maybe")
+        drafting.set_mode(None)
+        with pytest.raises(ValueError, match=drafting.DRAFTING_ENV_VAR):
+            plugin.install()
+        assert not plugin.is_installed() and patched() == [False, False]
+        drafting.set_mode("on")
+        with _sgl.plugin_on():
+            plugin.set_drafting(False)
+            assert patched() == [False, False]
+            plugin.set_drafting(True)
+            assert patched() == [True, True]
+        with _sgl.plugin_on("shadow"):
+            assert drafting.mode() == "shadow"  # shadow mode never changes sglang's drafts
+    finally:
+        drafting.set_mode(None)

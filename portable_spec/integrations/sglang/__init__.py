@@ -73,9 +73,11 @@ def _patches() -> PatchSet:
 
 
 def _draft_makers() -> dict[str, Any]:
-    from portable_spec.integrations.sglang import eagle_draft
+    from portable_spec.integrations.sglang import eagle_draft, ngram
 
     return {
+        internals.NGRAM_PREPARE: ngram.wrap_prepare,
+        internals.NGRAM_STEP: ngram.wrap_step,
         internals.EAGLE_STEP: eagle_draft.wrap_forward_batch_generation,
         internals.EAGLE_DRAFT: eagle_draft.wrap_draft,
         internals.EAGLE_DRAFT_FORWARD: eagle_draft.wrap_draft_forward,
@@ -152,6 +154,7 @@ def install(mode: str = "on") -> bool:
 
     drafting.switch()  # a bad PORTABLE_SPEC_SGLANG_DRAFTING raises before anything is patched
     Active.mode = mode
+    drafting.set_plugin_mode(mode)
     if not _patches().install():
         return False
     _set_draft_patches(drafting.mode() != "off")

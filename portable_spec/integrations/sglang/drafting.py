@@ -55,6 +55,7 @@ class _Switch:
     the environment is read or :func:`set_mode` is called."""
 
     mode: str | None = None
+    plugin_mode = "on"  # the plugin's own mode (``install``): "on" or "shadow"
 
 
 def switch() -> str:
@@ -65,6 +66,11 @@ def switch() -> str:
         value = os.environ.get(DRAFTING_ENV_VAR, "").strip()
         _Switch.mode = read_mode(DRAFTING_ENV_VAR) if value else "on"
     return _Switch.mode
+
+
+def set_plugin_mode(value: str) -> None:
+    """The plugin's mode (``"on"`` or ``"shadow"``), as :func:`mode` reads it."""
+    _Switch.plugin_mode = value
 
 
 def set_mode(value: str | None) -> None:
@@ -78,12 +84,10 @@ def set_mode(value: str | None) -> None:
 def mode() -> str:
     """The drafting mode in force: ``"off"``, ``"shadow"`` (the switch says so, or the plugin
     runs in shadow mode: shadow mode never changes what sglang does) or ``"on"``."""
-    from portable_spec.integrations.sglang.masks import Active
-
     setting = switch()
     if setting == "off":
         return "off"
-    if setting == "shadow" or Active.mode == "shadow":
+    if setting == "shadow" or _Switch.plugin_mode == "shadow":
         return "shadow"
     return "on"
 
@@ -132,35 +136,36 @@ def clear() -> None:
 
 
 def drafted_rows(
-    plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any
+    plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any, stats: Any
 ) -> tuple[Any, np.ndarray] | None:
     """The verify mask of a drafted step from its session's rows: ``(mask, valid)`` (int32
-    ``[batch * nodes, words]`` on ``device``, host bool ``[batch, nodes]``), or None when no
-    step waits, when the step's requests, grammars or tree are not the drafted ones (the
-    verify build then walks the tree as for any step), or when the plan needs rows a session
-    does not have (a reasoning request, a request sglang's own walk builds).
+    ``[batch * nodes, words]`` on ``device``, host bool ``[batch, nodes]``), or
+    None when no step waits, when the step's requests, grammars or tree are not the drafted
+    ones (the verify build then walks the tree as for any step), or when the plan needs rows a
+    session does not have (a reasoning request, a request sglang's own walk builds).
 
     ``plan``: the step's :class:`~portable_spec.integrations.sglang.grammars.Plan`;
     ``arrays``: the verify tree's host ``(next_token, next_sibling, draft)``, int64
-    ``[batch, nodes]``. Blocks for the rows of levels staged without masks (computed now).
+    ``[batch, nodes]``; ``stats``: the plugin's counters. Blocks for the rows of levels staged
+    without masks (computed now); the upload is started without blocking.
     """
-    from portable_spec.integrations.sglang.masks import STATS
-
     step = take()
     if step is None:
         return None
     try:
         if not _matches(step, plan, arrays, vocab_size):
-            STATS.add("draft_mismatches")
+            stats.add("draft_mismatches")
             logger.debug("portable_spec: a drafted step's verify tree is not the drafted tree")
             return None
         session, select = step.session, step.select
         mask = session.verify_mask(select)
         valid = session.valid(select)
         real = (select > 0) & np.array([m is not None for m in step.matchers])[:, None]
-        STATS.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
+        stats.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
         if mask is None:  # no request has a grammar: nothing the caller could use
             return None
+        if str(mask.device) != str(device):  # a session opened elsewhere than the verify
+            mask = mask.to(device, non_blocking=True)
         return mask, valid
     finally:
         step.close()

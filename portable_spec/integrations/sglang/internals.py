@@ -354,7 +354,7 @@ EAGLE_TARGETS = (
     EAGLE_ORGANIZE,
     EAGLE_DRAFT_GRAPH,
 )
-NGRAM_TARGETS: tuple[str, ...] = ()
+NGRAM_TARGETS = (NGRAM_PREPARE, NGRAM_STEP)
 _EAGLE_TOPK = f"{_EAGLE}:fast_topk"
 _EAGLE_PROBS = f"{_EAGLE}:renorm_draft_probs"
 #: read, not replaced: the draft loop's top-k and probabilities (the root's top-k is taken
@@ -419,6 +419,18 @@ def draft_patch_set(name: str, makers: dict[str, Callable[[Any], Any]]) -> Patch
 def draft_module(name: str) -> str:
     """The sglang module whose import installs the drafting patch set ``name``."""
     return DRAFT_SETS[name][0]
+
+
+def ngram_tokenizer(worker: Any) -> Any:
+    """The model's tokenizer as an ``NGRAMWorker``'s target worker holds it (None without)."""
+    return getattr(worker._target_worker, "tokenizer", None)
+
+
+def ngram_device(worker: Any) -> Any:
+    """The ``torch.device`` an ``NGRAMWorker``'s verify runs on."""
+    import torch
+
+    return torch.device(worker.device)
 
 
 def request_grammar(req: Any) -> Any:

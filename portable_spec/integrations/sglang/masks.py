@@ -58,15 +58,14 @@ STATS = Stats(
         "fills_built",
         # grammar-aware drafting (.drafting): draft loops run in a session, the rows they
         # computed for the draft head, verify masks gathered from them (and trees found not
-        # to be the drafted one), drafted verify nodes the grammar refuses; NGRAM nodes
-        # replaced by forced tokens, forced tokens drafted and accepted
+        # to be the drafted one), drafted verify nodes the grammar refuses; NGRAM slots given
+        # a forced token, and forced tokens verify accepted
         "draft_steps",
         "draft_rows",
         "draft_verify_masks",
         "draft_mismatches",
         "refused_draft_nodes",
         "ngram_nodes_replaced",
-        "forced_tokens",
         "forced_tokens_accepted",
     )
 )
@@ -192,7 +191,7 @@ def _library_rows(
 ) -> tuple[Any, np.ndarray | None]:
     import torch
 
-    drafted = drafting.drafted_rows(plan, arrays, vocab_size, device)
+    drafted = drafting.drafted_rows(plan, arrays, vocab_size, device, STATS)
     if drafted is not None:  # the step was drafted in a session: its rows, gathered
         return drafted
     next_token, next_sibling, draft = arrays
