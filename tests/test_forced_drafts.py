@@ -21,32 +21,8 @@ from portable_spec.engines.cursor import whole_characters
 
 llguidance = pytest.importorskip("llguidance")
 
-INVOICE = {
-    "invoice_number": "INV-004821",
-    "issue_date": "2026-03-14",
-    "currency_code": "USD",
-    "payment_status": "pending",
-    "billing_customer": {
-        "customer_full_name": "Jane Doe",
-        "customer_email_address": "jane@example.com",
-        "customer_account_type": "personal",
-    },
-    "invoice_line_items": [
-        {"item_description": "Plumbing work", "item_quantity": 2, "item_unit_price": 85.5}
-    ],
-    "total_amount_due": 171.0,
-}
-TOOL_CALL = {
-    "tool_call_type": "function",
-    "function_name": "get_current_weather",
-    "function_arguments": {
-        "location_city_name": "Paris",
-        "temperature_unit": "celsius",
-        "include_hourly_forecast": False,
-        "forecast_days_ahead": 3,
-    },
-}
-INSTANCES = {"invoice": INVOICE, "tool_call": TOOL_CALL}
+INVOICE, TOOL_CALL = T.SCHEMA_EXAMPLES["invoice"], T.SCHEMA_EXAMPLES["tool_call"]
+INSTANCES = T.SCHEMA_EXAMPLES
 VOCAB = 49152
 
 
@@ -465,3 +441,27 @@ def test_a_segmentation_the_mask_refuses_ends_the_drafts(tok, lltok):
     assert replay_ok(engine, [], got, 2) and got == []
     canonical = ps.forced_drafts([m], [[]], 8, tokenizer=tok)[0]
     assert canonical and per_byte(tok.decode(canonical[:1])) != canonical[:1]
+
+
+def test_the_xgrammar_short_path_drafts_what_its_cursor_drafts(tok, compiler, monkeypatch):
+    """xgrammar requests take a short path (the cursor's calls in place): position by position
+    and with proposed drafts, the same tokens as the cursor, every matcher back in its state."""
+    import portable_spec.drafting.forced as forced
+
+    for flexible in (True, False):
+        engine = Engine("xgrammar", compiler, None, T.INVOICE_SCHEMA, flexible)
+        ids = [*output_tokens(tok, INVOICE), 2]
+        m = engine.fresh()
+        for i, t in enumerate(ids):
+            proposal = ids[i : i + 2 + i % 3] + [VOCAB + 1] * (i % 2)
+            before = engine.print(m)
+            got = {}
+            for short in (True, False):
+                monkeypatch.setattr(forced, "_SHORT_PATH", short)
+                got[short] = ps.forced_drafts(
+                    [m, engine.fresh()], [proposal, []], [2 + i % 7, 5], tokenizer=tok
+                )
+                assert engine.print(m) == before
+            assert got[True] == got[False], f"position {i}"
+            if t != 2:
+                assert m.accept_token(t)

@@ -15,8 +15,10 @@ none) by what its grammar forces, in the tokens the model itself would write:
    allows a single token (the end token once the output is complete; outlines-core's only
    kind of forced token), that token; and again.
 
-Matchers never move: xgrammar and llguidance are walked on a fork, outlines-core guides and
-protocol matchers without ``fork()`` are moved and rolled back before the call returns.
+Matchers never move: llguidance matchers and protocol matchers with ``fork()`` are walked on a
+fork; xgrammar matchers (whose rollback is unlimited and cheaper than a fork), outlines-core
+guides and protocol matchers without ``fork()`` are moved and rolled back before the call
+returns.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ import numpy as np
 
 from portable_spec.builder.reasoning import Reasoning, check_reasoning
 from portable_spec.drafting.segment import Segmenter, segmenter_for
-from portable_spec.engines.cursor import Cursor, single_token
+from portable_spec.engines.cursor import Cursor, single_token, whole_characters
 from portable_spec.engines.generic import ProtocolCursor, generic_info
 from portable_spec.engines.llguidance import LLGuidanceCursor, check_llmatcher, probe_llguidance
 from portable_spec.engines.outlines import OutlinesCursor
 from portable_spec.engines.walk import ENDED_FREE, ENDED_HELD, REFUSED
-from portable_spec.engines.xgrammar import XGrammarCursor, has_forced_tokens, probe_xgrammar
+from portable_spec.engines.xgrammar import (
+    XGrammarCursor,
+    has_forced_tokens,
+    probe_xgrammar,
+    xgrammar_info,
+)
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import (
     GENERIC,
@@ -60,6 +67,9 @@ _CURSORS = {
 }
 _ENDED = (ENDED_HELD, ENDED_FREE)
 _NO_VOCAB = 1 << 62
+# xgrammar requests with a tokenizer take _draft_xgrammar (the common case, without the cursor's
+# calls); False: every request takes the cursors (the tests compare both)
+_SHORT_PATH = True
 # Drafted tokens this many tokens before a forced text's end are taken as they are: what
 # follows the text only re-segments its last pre-tokenizer piece.
 _FAR_FROM_END = 8  # unconstrained requests without vocab_size: only negative ids end drafts
@@ -82,8 +92,8 @@ def forced_drafts(
             or a :class:`portable_spec.GrammarMatcherLike` (forced text through its optional
             ``find_jump_forward_string()`` -> str or bytes, forced tokens through its optional
             ``find_jump_forward_tokens()`` -> token ids), each in the state after the
-            request's committed tokens. None of them is moved (forks are walked; guides and
-            protocol matchers without ``fork()`` are rolled back before the call returns).
+            request's committed tokens. None of them is moved (forks are walked, or the
+            matcher is rolled back before the call returns).
         drafts: the proposed drafts per request: a sequence of int sequences (one per request,
             any lengths, possibly empty), or an int ``[batch, n]`` host array (numpy, or a
             framework's host array). A negative id ends a request's drafts (padding).
@@ -122,9 +132,12 @@ def forced_drafts(
         MatcherError: a matcher (or the tokenizer on a new forced text) raised; every matcher
             is back in its state.
 
-    Blocks for host work only: per constrained request a fork, one accept per draft and
-    forced token, the engine's forced text, the tokenizer on forced texts not seen before
-    (cached), and one mask fill where a forced text ends or the grammar may end.
+    Blocks for host work only, on the calling thread: per constrained request one accept per
+    draft and forced token (then one rollback; llguidance and forking protocol matchers walk a
+    fork instead), the engine's forced text, the tokenizer on forced texts not seen before
+    (cached per text), and one mask fill where a forced text ends next to characters that
+    would merge with it or where the grammar may end. Hold the matchers for the call: do not
+    move them from another thread meanwhile (another build over them is refused).
     """
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
@@ -145,15 +158,15 @@ def forced_drafts(
     if reasoning is not None:
         rule = check_reasoning(reasoning, batch, vocab_size or _NO_VOCAB)
     token, held = hold_matchers(matchers)  # refused here if another build walks one
+    rows_of: dict[int, np.ndarray] = {}  # scratch mask rows by width (the short path's)
+    short = segmenter is not None and _SHORT_PATH
+    free_vocab = vocab_size or _NO_VOCAB
     try:
         out = []
-        for b in range(batch):
-            limit = limits[b]
-            row = rows[b]
-            if kinds[b] == NONE or limit == 0:
-                out.append(_free(row, limit, vocab_size or _NO_VOCAB))
+        for b, (kind, info, row, limit) in enumerate(zip(kinds, infos, rows, limits, strict=True)):
+            if kind == NONE or limit == 0:
+                out.append(_free(row, limit, free_vocab))
                 continue
-            info = infos[b]
             assert info is not None
             start: list[int] = []
             content_end = False
@@ -163,13 +176,21 @@ def forced_drafts(
                     out.append(start)
                     continue
                 row, content_end = rest, bool(rest) and rest[0] in rule.content_ends
-            cursor = _CURSORS[kinds[b]](matchers[b], info)
             try:
-                out.append(_draft(cursor, row, limit, start, segmenter, content_end))
+                if short and kind == XGRAMMAR:
+                    out.append(
+                        _draft_xgrammar(
+                            matchers[b], info, row, limit, start, segmenter, content_end, rows_of
+                        )
+                    )
+                    continue
+                cursor = _CURSORS[kind](matchers[b], info)
+                try:
+                    out.append(_draft(cursor, row, limit, start, segmenter, content_end))
+                finally:
+                    cursor.close()
             except BaseException as exc:
                 raise MatcherError(b, exc) from exc
-            finally:
-                cursor.close()
         return out
     finally:
         release_matchers(token, held)
@@ -187,6 +208,8 @@ def _batch(matchers: Any) -> int:
 
 
 def _token_row(row: Any, b: int) -> list[int]:
+    if type(row) is list and all(type(t) is int for t in row):
+        return row  # read only
     if isinstance(row, np.ndarray):
         if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
             raise TypeError(
@@ -239,6 +262,8 @@ def _limits(max_len: Any, batch: int) -> list[int]:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         return int(value)
 
+    if type(max_len) is int and max_len >= 0:
+        return [max_len] * batch
     if isinstance(max_len, Integral) and not isinstance(max_len, (bool, np.bool_)):
         return [one(max_len, "max_len")] * batch
     if isinstance(max_len, np.ndarray):
@@ -257,6 +282,12 @@ def _own_facts(matchers: Sequence[Any]) -> tuple[list[int], list[MatcherInfo | N
     seen: dict[int, int] = {}
     for i, g in enumerate(matchers):
         kind = matcher_kind(g)
+        if kind == XGRAMMAR:  # the common case first
+            info = xgrammar_info(g)
+            if info is not None and seen.setdefault(id(g), i) == i:
+                kinds.append(kind)
+                infos.append(info)
+                continue
         if kind == NONE:
             kinds.append(NONE)
             infos.append(None)
@@ -281,7 +312,7 @@ def _own_facts(matchers: Sequence[Any]) -> tuple[list[int], list[MatcherInfo | N
                 "needs its own matcher"
             )
         if kind == XGRAMMAR:
-            info = probe_xgrammar(g, 1)
+            info = xgrammar_info(g) or probe_xgrammar(g, 1)
         elif kind == LLGUIDANCE:
             try:
                 check_llmatcher(g)
@@ -353,6 +384,95 @@ def _draft(
     return out
 
 
+def _draft_xgrammar(
+    matcher: Any,
+    info: MatcherInfo,
+    row: list[int],
+    limit: int,
+    out: list[int],
+    segmenter: Segmenter,
+    content_end: bool,
+    rows_of: dict[int, np.ndarray],
+) -> list[int]:
+    """:func:`_draft` for an xgrammar matcher, its cursor's calls made in place (the same
+    tokens): the matcher is walked forward and rolled back before returning. A forced text
+    taken whole is followed by no other (xgrammar's is the longest): only a single-token state
+    (the end token) is looked for after it, with the mask the segmentation check filled."""
+    if matcher.is_terminated():
+        return out
+    vocab, stops, accept = info.vocab_size, info.stop_set, matcher.accept_token
+    held = 0
+    filled: list[np.ndarray] = []  # the current state's mask, once filled
+
+    def mask() -> np.ndarray:
+        if not filled:
+            block = rows_of.get(info.words)
+            if block is None:
+                block = rows_of[info.words] = np.zeros((1, info.words), dtype=np.int32)
+            matcher.fill_next_token_bitmask(block, 0)
+            filled.append(block[0])
+        return filled[0]
+
+    try:
+        for i, t in enumerate(row):
+            if len(out) >= limit:
+                return out
+            if not 0 <= t < vocab or not accept(t):
+                if i == 0 and content_end:
+                    return out
+                break
+            held += 1
+            out.append(t)
+            if t in stops:
+                return out
+        text_next = True
+        while len(out) < limit:
+            room = limit - len(out)
+            text = ""
+            if text_next:
+                try:
+                    text = str(matcher.find_jump_forward_string())
+                except UnicodeDecodeError as exc:  # xgrammar 0.2.8
+                    text = whole_characters(bytes(exc.object))
+            if text:
+                tokens = (segment := segmenter.segment(text)).tokens
+                if not tokens:
+                    return out
+                far = room + _FAR_FROM_END <= len(tokens)
+                taken = 0
+                for t in tokens[:room] if far else tokens:
+                    if not 0 <= t < vocab or not accept(t):
+                        break
+                    held += 1
+                    taken += 1
+                    if t in stops:
+                        break
+                if far or taken < len(tokens) or tokens[-1] in stops:
+                    out.extend(tokens[: min(taken, room)])
+                    return out
+                filled.clear()
+                n = min(segmenter.stable(text, segment, mask), room)
+                out.extend(tokens[:n])
+                if n < len(tokens) or n == room:
+                    return out
+            text_next = False  # after a whole forced text: none other follows
+            if not matcher.is_completed():
+                return out
+            only = single_token(mask())
+            if only is None or not 0 <= only < vocab or not accept(only):
+                return out
+            held += 1
+            filled.clear()
+            out.append(only)
+            if only in stops:
+                return out
+            text_next = True
+        return out
+    finally:
+        if held:
+            matcher.rollback(held)
+
+
 def _force(cursor: Cursor, out: list[int], limit: int, segmenter: Segmenter | None) -> None:
     """Append the grammar's forced continuation to ``out`` (see the module's docstring)."""
     while len(out) < limit:
@@ -419,7 +539,7 @@ def _take_text(cursor: Cursor, text: str, segmenter: Segmenter, out: list[int], 
         out.extend(tokens[: min(taken, room)])
         return False
     # the characters that may follow the text: its last tokens are kept where none merges
-    keep = segmenter.stable(text, segment, cursor.row(), cursor.info.vocab_size)
+    keep = segmenter.stable(text, segment, cursor.row)
     n = min(keep, room)
     out.extend(tokens[:n])
     return n == len(tokens)

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,10 +51,18 @@ class Segment:
         tokens: the tokenizer's token ids of the text.
         lcps: per probe character seen so far, how many of ``tokens`` start the segmentation
             of the text followed by it (filled by :meth:`Segmenter.stable`).
+        merging: the probe classes whose first character changes the segmentation (found by
+            the first :meth:`Segmenter.stable`).
+        words, last_word: the mask words the merging classes' characters sit in.
+        keeps: the stable count by the values of those words.
     """
 
     tokens: tuple[int, ...]
     lcps: dict[str, int]
+    merging: tuple[int, ...] | None = None
+    words: tuple[int, ...] = ()
+    last_word: int = -1
+    keeps: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -102,20 +110,21 @@ class Segmenter:
         needed = behind[: len(anchor)] == anchor and behind[len(anchor) :] != plain
         self._anchor = len(anchor) if needed else 0
         self._anchor_ids = anchor
-        # every probe character that is one token: its character, token id and class, by class
-        chars: list[str] = []
-        ids: list[int] = []
-        classes: list[int] = []
-        for k, members in enumerate(PROBE_CLASSES):
+        #: per probe class: its first character, and where its one-token characters sit in a
+        #: mask row: ``[(word, bits of the word)]`` and ``(word, bit) -> character``
+        self.classes: list[tuple[str, list[tuple[int, int]], dict[tuple[int, int], str]]] = []
+        for members in PROBE_CLASSES:
+            words: dict[int, int] = {}
+            at: dict[tuple[int, int], str] = {}
             for c in members:
                 t = self.tokens(c)
-                if len(t) == 1:
-                    chars.append(c)
-                    ids.append(t[0])
-                    classes.append(k)
-        self._probe_chars = chars
-        self._probe_ids = np.array(ids, dtype=np.int64)
-        self._probe_classes = np.array(classes, dtype=np.int64)
+                if len(t) == 1 and t[0] >= 0:
+                    word, bit = t[0] >> 5, t[0] & 31
+                    if (word, bit) not in at:
+                        at[(word, bit)] = c
+                        words[word] = words.get(word, 0) | (1 << bit)
+            if words:
+                self.classes.append((members[0], sorted(words.items()), at))
 
     def _ids(self, text: str) -> tuple[int, ...]:
         out = self._encode(text)
@@ -162,28 +171,58 @@ class Segmenter:
                 self._cache.popitem(last=False)
         return segment
 
-    def stable(self, text: str, segment: Segment, row: np.ndarray, vocab: int) -> int:
+    def _lcp(self, text: str, segment: Segment, probe: str) -> int:
+        lcp = segment.lcps.get(probe)
+        if lcp is None:
+            lcp = _common_prefix(segment.tokens, self.tokens(text + probe))
+            segment.lcps[probe] = lcp  # one writer or another: the same value
+        return lcp
+
+    def stable(self, text: str, segment: Segment, row: Callable[[], np.ndarray]) -> int:
         """How many of ``segment``'s tokens stay the tokenizer's whatever character the grammar
-        allows next: ``row`` is the mask after the whole text (int32 words, ``vocab`` tokens
-        inside it). Each probe class is tried with its first allowed character."""
-        ids = self._probe_ids
-        inside = ids < vocab
-        if not inside.all():
-            ids = np.where(inside, ids, 0)
-        allowed = ((row[ids >> 5] >> (ids & 31)) & 1).astype(bool) & inside
-        picks = np.flatnonzero(allowed)
-        if not len(picks):
-            return len(segment.tokens)
-        _, first = np.unique(self._probe_classes[picks], return_index=True)
+        allows next. ``row()`` gives the mask after the whole text (int32 words), asked only
+        when some class of characters would merge with the text's end: the classes whose first
+        character changes the segmentation (found once per text), each tried with its first
+        character the mask allows. The answer is kept per text and per value of the mask words
+        those classes sit in."""
+        tokens = segment.tokens
+        if segment.merging is None:
+            self._merging(text, segment)
+        if not segment.merging:
+            return len(tokens)
+        mask = row()
+        if len(mask) <= segment.last_word:
+            return self._keep(text, segment, mask)
+        key = tuple([mask.item(w) for w in segment.words])
+        keep = segment.keeps.get(key)
+        if keep is None:
+            keep = segment.keeps[key] = self._keep(text, segment, mask)
+        return keep
+
+    def _merging(self, text: str, segment: Segment) -> None:
+        merging = tuple(
+            k
+            for k, (first, _, _) in enumerate(self.classes)
+            if self._lcp(text, segment, first) < len(segment.tokens)
+        )
+        words = sorted({w for k in merging for w, _ in self.classes[k][1]})
+        segment.words = tuple(words)
+        segment.last_word = words[-1] if words else -1
+        segment.merging = merging
+
+    def _keep(self, text: str, segment: Segment, mask: np.ndarray) -> int:
+        width = len(mask)
         keep = len(segment.tokens)
-        lcps = segment.lcps
-        for index in picks[first].tolist():
-            probe = self._probe_chars[index]
-            lcp = lcps.get(probe)
-            if lcp is None:
-                lcp = _common_prefix(segment.tokens, self.tokens(text + probe))
-                lcps[probe] = lcp  # one writer or another: the same value
-            keep = min(keep, lcp)
+        for k in segment.merging or ():
+            _, words, at = self.classes[k]
+            for word, bits in words:
+                if word >= width:
+                    break
+                hit = mask.item(word) & bits
+                if hit:
+                    probe = at[(word, (hit & -hit).bit_length() - 1)]
+                    keep = min(keep, self._lcp(text, segment, probe))
+                    break
         return keep
 
 
@@ -216,12 +255,16 @@ def segmenter_for(tokenizer: Any) -> Segmenter:
     """The :class:`Segmenter` of ``tokenizer``, kept while the tokenizer lives (a bounded table
     for tokenizers without weak references). Raises ``TypeError`` for a tokenizer that does
     not map text to int token ids."""
+    last = _last
+    if last and last[0]() is tokenizer:
+        return last[1]  # type: ignore[no-any-return]
     key, ref = _key_and_ref(tokenizer)
     with _segmenters_lock:
         entry = _segmenters.get(key)
     if entry is not None:
         held = _alive(entry[0])
         if held is tokenizer or (inspect.ismethod(tokenizer) and held == tokenizer):
+            _remember(tokenizer, entry[1])
             return entry[1]
     segmenter = Segmenter(tokenizer)
     with _segmenters_lock:  # dead tokenizers' entries leave when a new one comes
@@ -232,4 +275,17 @@ def segmenter_for(tokenizer: Any) -> Segmenter:
         for k in held[: max(0, len(held) - _MAX_HELD + 1)]:
             del _segmenters[k]
         _segmenters[key] = (ref, segmenter)
+    _remember(tokenizer, segmenter)
     return segmenter
+
+
+# the last tokenizer asked for (weakly) and its segmenter: one identity test per call
+_last: list[Any] = []
+
+
+def _remember(tokenizer: Any, segmenter: Segmenter) -> None:
+    try:
+        ref = weakref.ref(tokenizer)
+    except TypeError:
+        return
+    _last[:] = [ref, segmenter]

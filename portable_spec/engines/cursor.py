@@ -1,9 +1,10 @@
 """The contract of an engine's cursor for forced drafting (:func:`portable_spec.forced_drafts`):
 one request's grammar state walked forward token by token, and what the grammar forces next.
 
-Each engine module makes its own (``*_cursor``). Engines that fork walk a fork and never move
-the caller's matcher (xgrammar ``fork()``, llguidance ``deep_copy()``, protocol matchers with a
-faithful ``fork()``); the others move the matcher itself and :meth:`Cursor.close` takes it
+Each engine module has its own. Engines that fork walk a fork and never move the caller's
+matcher (llguidance ``deep_copy()``, protocol matchers with a faithful ``fork()``); the others
+move the matcher itself (xgrammar, whose rollback is unlimited and cheaper than a fork;
+outlines-core guides; protocol matchers without ``fork()``) and :meth:`Cursor.close` takes it
 back to where it started, also after an error.
 """
 
@@ -41,7 +42,7 @@ class Cursor(ABC):
         #: tokens the cursor may take and still return (outlines-core's rollback window)
         self.max_steps: int | None = info.max_depth
         self._row: np.ndarray | None = None  # the current state's mask, once filled
-        self._scratch = np.zeros((1, info.words), dtype=np.int32)
+        self._scratch: np.ndarray | None = None
 
     @abstractmethod
     def alive(self) -> bool:
@@ -89,6 +90,8 @@ class Cursor(ABC):
     def row(self) -> np.ndarray:
         """The current state's mask: int32 ``[info.words]``, filled once per state."""
         if self._row is None:
+            if self._scratch is None:
+                self._scratch = np.zeros((1, self.info.words), dtype=np.int32)
             self._fill(self._scratch)
             self._row = self._scratch[0]
         return self._row
