@@ -167,7 +167,7 @@ NGRAM_STEPS = 6
 NGRAM_STARTS = (1, 5, 12, 30)
 
 
-def _run_ngram(backend: str, drafting: bool, corpus: list) -> dict:
+def _run_ngram(backend: str, drafting: bool | str, corpus: list) -> dict:
     vocab = _sgl.VOCAB
     words = (vocab + 31) // 32
     writers = _draft.writers(backend, len(NGRAM_STARTS), NGRAM_STARTS)
@@ -202,17 +202,22 @@ def _run_ngram(backend: str, drafting: bool, corpus: list) -> dict:
         "documents": [w.document for w in writers],
         "stats": stats,
         "per_step": committed_total / steps,
+        "trees": [t[2] for t in worker.trees],
     }
+
+
+def _ngram_args():
+    return _eagle.server_args(
+        speculative_algorithm="NGRAM", speculative_num_draft_tokens=NGRAM_NODES,
+        speculative_ngram_max_trie_depth=8, speculative_ngram_capacity=100_000,
+        disable_overlap_schedule=True, device="cpu",
+    )  # fmt: skip
 
 
 @_sgl.cpu_only
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_ngram_forced_drafts(backend):
-    with _eagle.server_args(
-        speculative_algorithm="NGRAM", speculative_num_draft_tokens=NGRAM_NODES,
-        speculative_ngram_max_trie_depth=8, speculative_ngram_capacity=100_000,
-        disable_overlap_schedule=True, device="cpu",
-    ):  # fmt: skip
+    with _ngram_args():
         on = _run_ngram(backend, True, [])
         off = _run_ngram(backend, False, [])
     for run in (on, off):
@@ -227,3 +232,18 @@ def test_ngram_forced_drafts(backend):
     _sgl.COUNTS["drafted NGRAM steps"] += NGRAM_STEPS
     print(json.dumps({"backend": backend, "NGRAM tokens per request-step (empty corpus)": {
         "drafting on": on["per_step"], "drafting off": off["per_step"]}}))  # fmt: skip
+
+
+@_sgl.cpu_only
+def test_ngram_drafting_shadow():
+    """Drafting in shadow mode counts only: sglang's own trees and commits, the slots that
+    would carry forced tokens counted, the verify masks gathered from the session's rows
+    (equal to sglang's own build, as every mask here)."""
+    with _ngram_args():
+        shadow = _run_ngram("xgrammar", "shadow", [])
+        off = _run_ngram("xgrammar", False, [])
+    assert shadow["outputs"] == off["outputs"]
+    assert all(torch.equal(a, b) for a, b in zip(shadow["trees"], off["trees"], strict=True))
+    stats = shadow["stats"]
+    assert stats["ngram_nodes_replaced"] > 0 and stats["forced_tokens_accepted"] == 0
+    assert stats["draft_verify_masks"] == NGRAM_STEPS and stats["draft_mismatches"] == 0
