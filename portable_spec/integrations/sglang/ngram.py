@@ -53,6 +53,7 @@ class _Forced:
     """Which nodes of a step's verify trees carry forced tokens, to count the accepted ones
     from the step's result."""
 
+    worker: Any  # the NGRAMWorker whose step it is
     children: list[dict[int, dict[int, int]]]  # per request: parent -> {token: node}
     forced: list[set[int]]  # per request: the nodes carrying forced tokens
     result: Any = None  # the step's GenerationBatchResult, read at the next step
@@ -64,7 +65,7 @@ def wrap_prepare(original: Any) -> Any:
 
     def _prepare_draft_tokens(self: Any, batch: Any) -> tuple[np.ndarray, np.ndarray]:
         req_drafts, mask = original(self, batch)
-        _count_accepted()
+        _count_accepted(self)
         mode = drafting.mode()
         drafting.clear()
         if mode == "off" or not getattr(batch, "has_grammar", False):
@@ -87,20 +88,20 @@ def wrap_step(original: Any) -> Any:
     def forward_batch_generation(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, batch, *args, **kwargs)
         last = getattr(_local, "last", None)
-        if last is not None and last.result is None:
+        if last is not None and last.worker is self and last.result is None:
             last.result = result
         return result
 
     return forward_batch_generation
 
 
-def _count_accepted() -> None:
-    """Count the forced tokens the previous step's verify accepted."""
+def _count_accepted(worker: Any) -> None:
+    """Count the forced tokens ``worker``'s previous step's verify accepted."""
     from portable_spec.integrations.sglang.masks import STATS
 
     last = getattr(_local, "last", None)
     _local.last = None
-    if last is None or last.result is None:
+    if last is None or last.worker is not worker or last.result is None:
         return
     accept_lens = [int(n) for n in last.result.accept_lens.tolist()]
     batch = len(accept_lens)
@@ -156,7 +157,7 @@ def _rewrite(
         _stage(session, plan, select)
         session = None
         STATS.update({"ngram_nodes_replaced": replaced, "draft_steps": 1})
-        _local.last = _Forced([t.children for t in trees], [t.forced for t in trees])
+        _local.last = _Forced(worker, [t.children for t in trees], [t.forced for t in trees])
         new_drafts = np.stack([t.tokens for t in trees]).astype(req_drafts.dtype, copy=False)
         new_mask = np.stack([_ancestor_mask(t.parents) for t in trees])
         return new_drafts.reshape(req_drafts.shape), new_mask.astype(mask.dtype).reshape(mask.shape)
