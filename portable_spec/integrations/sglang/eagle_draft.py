@@ -497,11 +497,15 @@ def _start(
 ) -> EagleStep:
     import torch
 
-    device = spec.topk_index.device
-    session = ps.DraftSession(plan.matchers, vocab, device=torch.device(device), d2t=_d2t(worker))
+    topk, steps = int(worker.topk), int(worker.speculative_num_steps)
+    # the root, the nodes each draft-head call runs on, the verify tree's other candidates
+    most = 1 + topk * max(steps - 1, 0) + int(worker.speculative_num_draft_tokens)
+    session = ps.DraftSession(
+        plan.matchers, vocab, device=torch.device(spec.topk_index.device), d2t=_d2t(worker),
+        max_nodes=most,
+    )  # fmt: skip
     step = EagleStep(
-        session, plan, tuple(plan.grammars), int(worker.topk),
-        int(worker.speculative_num_steps), masking=mode == "on",
+        session, plan, tuple(plan.grammars), topk, steps, masking=mode == "on",
     )  # fmt: skip
     try:
         if mode == "on":
