@@ -286,3 +286,95 @@ def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(
         if mask is not None:
             assert counts == counts_py
             assert counts == expected_node_counts(case.requests, *arrays, case.vocab_size, WORDS)
+
+
+# -- a tokenizer of many end tokens -------------------------------------------------------------
+def _many_ends_tokenizer():
+    """SmolLM2's tokenizer with twelve end tokens, each in its own 32-token mask word
+    (``<|im_end|>`` and eleven others made end tokens): the row after an end token allows
+    twelve words' worth of tokens."""
+    eos = samples.load_tokenizer().eos_id
+    ends = [eos, *(32 * 131 * j + 7 for j in range(1, 12))]
+    tokenizer = llguidance.LLTokenizer(samples.load_tokenizer().backend_json(), eos_token=ends)
+    assert sorted(tokenizer.eos_tokens) == sorted(ends)
+    assert len({t >> 5 for t in ends}) == 12
+    return tokenizer, ends
+
+
+def test_the_probe_reads_every_end_token(smollm2):
+    """The probe lists the tokenizer's end tokens (all twelve, or SmolLM2's one), wherever
+    the matcher is, and moves nothing."""
+    tokenizer, ends = _many_ends_tokenizer()
+    text = samples.load_tokenizer().encode("-0.00")
+    for tok, want in ((tokenizer, sorted(ends)), (samples.llguidance_tokenizer(), [smollm2.eos])):
+        for prefix in ([], text):
+            matcher = llguidance.LLMatcher(tok, samples.llguidance_grammar("builtin_json"),
+                                           log_level=0)  # fmt: skip
+            assert matcher.try_consume_tokens(prefix) == len(prefix)
+            before = matcher_prints([matcher], 1536, PROBE)
+            info = probe_llguidance(matcher, 1536)
+            assert info.end_ids is not None and info.end_ids.tolist() == want
+            assert matcher_prints([matcher], 1536, PROBE) == before and not matcher.is_error()
+
+
+@pytest.mark.parametrize("route", ["small", "batch", "batch-numpy", "compact", "compact-batch"])
+def test_end_tokens_spanning_many_words_end_the_chain_on_every_route(smollm2, route):
+    """JSON values at ``-0.00`` (they may end or go on) whose chains draft end tokens of a
+    tokenizer with twelve of them, in twelve mask words: an end token's node is terminated
+    (all-allowed rows from it on, the next draft not valid) on every route, so that no row
+    depends on the batch size or the route. "small": three requests (the compiled small
+    build); "batch": 130 of them, past EXECUTOR_WORK (llguidance's executor), with the
+    compiled pass over its rows or ("batch-numpy") the numpy one; the compact layout at both
+    sizes. Against the per-node replay on fresh matchers."""
+    tokenizer, ends = _many_ends_tokenizer()
+    encode = samples.load_tokenizer().encode
+    digit, space = encode("1")[0], encode(" ")[0]
+    grammar = samples.llguidance_grammar("builtin_json")
+    prefix = encode("-0.00")
+    chains = [
+        [0, ends[0], ends[5], digit, digit, space, digit, digit],  # an end token, another
+        [0, ends[7], digit, digit, digit, digit, digit, digit],  # one not the first
+        [0, digit, ends[11], ends[0], digit, digit, space, digit],  # a digit, then two
+        [0, digit, digit, digit, digit, digit, ends[3], ends[4]],  # the last two drafts
+    ]
+    batch = 130 if route in ("batch", "batch-numpy", "compact-batch") else len(chains)
+    draft = np.array([chains[b % len(chains)] for b in range(batch)], dtype=np.int64)
+    requests = [LLRequest(grammar, list(prefix), tokenizer, ends[0]) for _ in range(batch)]
+    matchers = [r.native() for r in requests]
+    nodes = draft.shape[1]
+    if batch == 130:
+        assert routes.work(draft.size, 1536) >= routes.EXECUTOR_WORK
+    before = matcher_prints(matchers, 1536, PROBE)
+    tree = ps.GrammarTree.from_linear_chain(draft)
+    calls: list[int] = []
+    real = compiled.native
+    with pytest.MonkeyPatch.context() as patch:
+        calls = _executor_spy(patch)
+        if route == "batch-numpy":
+            compiled.use(None)
+        try:
+            if route.startswith("compact"):
+                mask = ps.build_host_bitmask(matchers, tree, smollm2.size, layout="compact")
+                mask, valid = mask.to_dense(), None
+            else:
+                mask, valid = ps.build_host_bitmask(matchers, tree, smollm2.size,
+                                                    return_valid=True)  # fmt: skip
+        finally:
+            compiled.use(real)
+    assert bool(calls) == (batch == 130), calls
+    assert matcher_prints(matchers, 1536, PROBE) == before
+    assert not any(m.is_error() for m in matchers)
+    nt = np.tile(np.array([*range(1, nodes), -1], dtype=np.int64), (batch, 1))
+    ns = np.full((batch, nodes), -1, dtype=np.int64)
+    case = SimpleNamespace(requests=requests, next_token=nt, next_sibling=ns, draft=draft,
+                           vocab_size=smollm2.size)  # fmt: skip
+    assert_mask_matches(case, 1536, mask)
+    want = expected_valid(requests, nt, ns, draft, smollm2.size, 1536)
+    assert want[:4].tolist() == [  # the replay's: valid up to the first end token, itself too
+        [True, True, False, False, False, False, False, False],
+        [True, True, False, False, False, False, False, False],
+        [True, True, True, False, False, False, False, False],
+        [True, True, True, True, True, True, True, False],
+    ]
+    if valid is not None:
+        np.testing.assert_array_equal(valid, want)
