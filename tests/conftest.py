@@ -17,6 +17,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import xgrammar as xgr
 
+# every test leaves the library's constants, functions and compiled helper as it found them
+from _leak_guard import library_left_as_found  # noqa: F401
+
 from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
 
 # The tools (tools/) and the demo (examples/demo/) are not installed: they are imported from the

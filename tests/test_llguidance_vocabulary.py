@@ -31,6 +31,7 @@ import portable_spec as ps  # noqa: E402
 from portable_spec import native as compiled  # noqa: E402
 from portable_spec import testing as samples  # noqa: E402
 from portable_spec.builder import compact, dense, routes, small_llguidance  # noqa: E402
+from portable_spec.engines import llguidance as llguidance_engine  # noqa: E402
 from portable_spec.engines.llguidance import probe_llguidance  # noqa: E402
 from portable_spec.stats import reset_grammar_stats  # noqa: E402
 
@@ -88,15 +89,16 @@ ROUTES = ("small", "batch", "single", "python", "executor", "compact")
 
 def _executor_spy(monkeypatch) -> list[int]:
     """Count the calls of llguidance's executor fill (dense and compact layouts), so that a
-    test forcing it can tell that it ran."""
+    test forcing it can tell that it ran. The spy wraps the library's own function, never
+    what the layouts hold now (a spy set twice replaces the first, it does not wrap it)."""
     calls: list[int] = []
+    real = llguidance_engine.fill_llguidance_chains
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[0]))  # the group: request -> matcher
+        return real(*args, **kwargs)
+
     for module in (dense, compact):
-        real = module.fill_llguidance_chains
-
-        def spy(*args, real=real, **kwargs):
-            calls.append(len(args[0]))  # the group: request -> matcher
-            return real(*args, **kwargs)
-
         monkeypatch.setattr(module, "fill_llguidance_chains", spy)
     return calls
 
@@ -113,6 +115,19 @@ def _route(route, monkeypatch) -> list[int]:
     if route == "python":
         compiled.use(None)  # (the caller restores the helper)
     return _executor_spy(monkeypatch)
+
+
+def test_the_executor_spy_set_again_replaces_itself(smollm2, monkeypatch):
+    """A spy set a second time on the same patch (as every example of a randomized test does)
+    replaces the first instead of wrapping it: calls reach the library's function through
+    one spy, however many examples ran before."""
+    first = _route("executor", monkeypatch)
+    for _ in range(3):
+        latest = _executor_spy(monkeypatch)
+    requests, draft = _requests(smollm2, 49157)
+    ps.build_host_bitmask([r.native() for r in requests], ps.GrammarTree.from_linear_chain(draft),
+                          32 * WORDS)  # fmt: skip
+    assert (first, latest) == ([], [3])
 
 
 def _requests(smollm2, size):
@@ -222,9 +237,7 @@ def test_many_chains_with_padding_drafts_leave_every_matcher_usable(smollm2, rou
 )  # fmt: skip
 @SETTINGS
 @given(data=st.data())
-def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(
-    smollm2, shape, route, data, monkeypatch
-):
+def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(smollm2, shape, route, data):
     """Random batches (grammar-valid, refused, end-token, negative, past-the-tokenizer and
     past-the-logits drafts; logits as wide as the tokenizer or wider; tokenizers of 49153,
     49157 and 49183 tokens) built with the compiled helper and with the Python fallback: the
@@ -245,47 +258,50 @@ def test_compiled_equals_fallback_with_drafts_past_the_vocabulary(
         tree = lambda: ps.GrammarTree.from_linear_chain(case.draft)  # noqa: E731
     else:
         tree = lambda: ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)  # noqa: E731
-    if route in ("executor", "compact"):
-        monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
-        monkeypatch.setattr(routes, "EXECUTOR_WORK", 1)
-    executor = _executor_spy(monkeypatch)
-    before = matcher_prints(case.matchers, WORDS, PROBE)
-    built = []
-    real = compiled.native
-    for helper in (real, None):
-        compiled.use(helper)
-        try:
-            reset_grammar_stats()
-            if route == "compact":
-                out = ps.build_host_bitmask(
-                    case.matchers, tree(), case.vocab_size, layout="compact"
-                )
-                built.append((None if out is None else out.to_dense(), None, None))
-            else:
-                mask, valid = ps.build_host_bitmask(
-                    case.matchers, tree(), case.vocab_size, return_valid=True
-                )
-                stats = ps.grammar_stats()
-                built.append((mask, valid, (stats["checked_nodes"], stats["rejected_nodes"])))
-        finally:
-            compiled.use(real)
-        assert not any(m is not None and m.is_error() for m in case.matchers)
-        assert matcher_prints(case.matchers, WORDS, PROBE) == before
-    (mask, valid, counts), (mask_py, valid_py, counts_py) = built
-    if route in ("executor", "compact") and any(m is not None for m in case.matchers):
-        assert executor, "llguidance's executor did not run"
-    assert (mask is None) == (mask_py is None)
-    if mask is not None:
-        np.testing.assert_array_equal(mask, mask_py)
-    assert_mask_matches(case, WORDS, mask)
-    if valid is not None:
-        np.testing.assert_array_equal(valid, valid_py)
-        arrays = (case.next_token, case.next_sibling, case.draft)
-        want = expected_valid(case.requests, *arrays, case.vocab_size, WORDS)
-        np.testing.assert_array_equal(valid, want)
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        if route in ("executor", "compact"):
+            monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
+            monkeypatch.setattr(routes, "EXECUTOR_WORK", 1)
+        executor = _executor_spy(monkeypatch)
+        before = matcher_prints(case.matchers, WORDS, PROBE)
+        built = []
+        real = compiled.native
+        for helper in (real, None):
+            compiled.use(helper)
+            try:
+                reset_grammar_stats()
+                if route == "compact":
+                    out = ps.build_host_bitmask(
+                        case.matchers, tree(), case.vocab_size, layout="compact"
+                    )
+                    built.append((None if out is None else out.to_dense(), None, None))
+                else:
+                    mask, valid = ps.build_host_bitmask(
+                        case.matchers, tree(), case.vocab_size, return_valid=True
+                    )
+                    stats = ps.grammar_stats()
+                    built.append((mask, valid, (stats["checked_nodes"], stats["rejected_nodes"])))
+            finally:
+                compiled.use(real)
+            assert not any(m is not None and m.is_error() for m in case.matchers)
+            assert matcher_prints(case.matchers, WORDS, PROBE) == before
+        (mask, valid, counts), (mask_py, valid_py, counts_py) = built
+        if route in ("executor", "compact") and any(m is not None for m in case.matchers):
+            assert executor, "llguidance's executor did not run"
+        assert (mask is None) == (mask_py is None)
         if mask is not None:
-            assert counts == counts_py
-            assert counts == expected_node_counts(case.requests, *arrays, case.vocab_size, WORDS)
+            np.testing.assert_array_equal(mask, mask_py)
+        assert_mask_matches(case, WORDS, mask)
+        if valid is not None:
+            np.testing.assert_array_equal(valid, valid_py)
+            arrays = (case.next_token, case.next_sibling, case.draft)
+            want = expected_valid(case.requests, *arrays, case.vocab_size, WORDS)
+            np.testing.assert_array_equal(valid, want)
+            if mask is not None:
+                assert counts == counts_py
+                assert counts == expected_node_counts(
+                    case.requests, *arrays, case.vocab_size, WORDS
+                )
 
 
 # -- a tokenizer of many end tokens -------------------------------------------------------------
