@@ -165,6 +165,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_sep("-", "backend matrix")
     for line in lines:
         terminalreporter.write_line(line)
+    # the skipped tests in one line (their reasons: hardware, engines or packages this machine
+    # lacks), unless the run already lists them
+    skipped = len(terminalreporter.stats.get("skipped", []))
+    if skipped and not set(config.option.reportchars) & set("saA"):
+        terminalreporter.write_line(
+            f"{skipped} skipped; to list each with its reason, run again with -rs "
+            "(scripts/test.sh -rs)"
+        )
 
 
 # -- a user's own model's tokenizer, without a model hub ----------------------------------------
