@@ -48,7 +48,12 @@ def apply_vocab_mask_numpy(
             logits_2d[:, banned:] = -np.inf
         return logits
     if not isinstance(mask, np.ndarray):
-        raise TypeError(f"mask must be a numpy array for numpy logits, got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be a numpy array for numpy logits, got {type(mask).__name__}: a mask "
+            "is of the framework of the tree it was built over (GrammarTree.from_host of numpy "
+            "arrays or lists gives numpy masks; build_host_bitmask always does); or convert "
+            "this one (mask.numpy() for a CPU tensor, np.asarray(mask) for a JAX array)"
+        )
     if not np.issubdtype(logits.dtype, np.floating):
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
     if mask.dtype != np.int32:
@@ -83,6 +88,8 @@ def apply_compact_mask_numpy(
     if not isinstance(rows, np.ndarray) or not isinstance(bits, np.ndarray):
         raise TypeError(
             f"the CompactMask must hold numpy arrays for numpy logits, got {type(bits).__name__}"
+            ": a mask is of the framework of the tree it was built over (a tree of numpy "
+            "arrays gives numpy masks; build_host_bitmask always does)"
         )
     if not np.issubdtype(logits.dtype, np.floating):
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
