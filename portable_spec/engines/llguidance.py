@@ -132,8 +132,9 @@ def _end_tokens(matcher: Any, words: int) -> np.ndarray | None:
         return None
     row = np.zeros(words, dtype=np.int32)
     fork.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
-    ends = np.flatnonzero(bits).astype(np.int64)
+    used = np.flatnonzero(row)  # the few words holding end tokens
+    bits = (row[used, None].view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    ends = (used[:, None] * 32 + np.arange(32))[bits == 1].astype(np.int64)
     if not ends.size:
         return None
     with _end_lock:  # one array per set of end tokens: chain fills group by it
