@@ -6,7 +6,8 @@ Tests force routes and fallbacks by patching the library's module constants
 that forgets to put something back changes every test after it in the process, far from the
 cause. After each test this plugin compares, by identity, what it recorded before the test:
 
-* each ``portable_spec`` module's UPPER_CASE constants, functions and classes,
+* each ``portable_spec`` module's UPPER_CASE constants, and the library's functions and
+  classes it holds,
 * the functions, static and class methods defined on those classes,
 * ``portable_spec.native.native``, the compiled helper in use;
 
@@ -27,7 +28,12 @@ Key = tuple[str, str, str]  # (module, class or "", attribute)
 
 
 def _watched(value: Any) -> bool:
-    return inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.isclass(value)
+    """A function or class of the library (an engine's function imported by a module of an
+    integration is the engine's: its patch sets rebind those on purpose)."""
+    if not (inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.isclass(value)):
+        return False
+    module = getattr(value, "__module__", None) or ""
+    return module == "portable_spec" or module.startswith("portable_spec.")
 
 
 def _library_state() -> dict[Key, Any]:
