@@ -247,3 +247,54 @@ def test_ngram_drafting_shadow():
     stats = shadow["stats"]
     assert stats["ngram_nodes_replaced"] > 0 and stats["forced_tokens_accepted"] == 0
     assert stats["draft_verify_masks"] == NGRAM_STEPS and stats["draft_mismatches"] == 0
+
+
+@_sgl.cpu_only
+def test_a_failing_draft_level_leaves_sglangs_drafts(caplog):
+    """A level whose rows fail (here: the session raises at the second draft-head call) is
+    never the step's failure: the rest of that draft is sglang's own, its verify mask is built
+    afresh (still sglang's rows), one warning says so, and the next draft is masked again."""
+    from portable_spec.integrations.sglang import eagle_draft
+
+    topk, steps, nodes = EAGLE_SHAPE
+    vocab = _sgl.VOCAB
+    calls = {"n": 0}
+    before_head = eagle_draft.EagleStep.before_head
+
+    def flaky(self, input_ids):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a level that fails")
+        return before_head(self, input_ids)
+
+    seen: list = []
+    writers = _draft.writers("xgrammar", 2, EAGLE_STARTS)
+    worker = _draft.draft_worker(topk, steps, nodes, vocab, seed=3)
+    plugin.reset_stats()
+    with (
+        _eagle.server_args(
+            speculative_algorithm="EAGLE", speculative_num_steps=steps,
+            speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes, device="cpu",
+        ),
+        _draft.stand_in_preparations(),
+        _sgl.plugin_on(),
+        _spy_build("sglang.srt.speculative.eagle_worker_common", seen),
+        caplog.at_level("WARNING", logger="sglang.portable_spec"),
+    ):  # fmt: skip
+        eagle_draft.EagleStep.before_head = flaky
+        try:
+            spec = _draft.first_draft_input(worker, writers, vocab)
+            for _ in range(2):
+                _, committed, spec = _draft.eagle_step(worker, writers, spec, vocab)
+                for w, tokens in zip(writers, committed, strict=True):
+                    w.commit(tokens)
+        finally:
+            eagle_draft.EagleStep.before_head = before_head
+        stats = plugin.integration_stats()
+    plugin.reset_stats()
+    assert stats["draft_steps"] == 2 and stats["draft_verify_masks"] == 1
+    assert ["a level that fails" in r.getMessage() for r in caplog.records].count(True) == 1
+    for _, theirs, mine in seen:
+        assert mine is not None and torch.equal(mine, theirs)
+    for w in writers:
+        assert w.output_ids == w.document[: len(w.output_ids)]

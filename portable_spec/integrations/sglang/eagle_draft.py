@@ -92,10 +92,20 @@ class EagleStep:
         self.picked: Any = None  # the candidate indices select_top_k_tokens picked last
         self.levels: list[tuple[int, Any]] = []  # per draft-head call: (first node, picks)
         self.rows = 0
+        self.failed = False
 
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
+            self.session = None
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop masking this draft (a level or its mask failed): the rest of it is sglang's
+        own, its verify mask built afresh. One warning line per kind."""
+        self.failed = True
+        warn_once(f"draft-level:{type(exc).__name__}",
+                  "portable_spec: a draft level was not masked (%s); the rest of that draft "
+                  "is sglang's own", exc)  # fmt: skip
 
     # -- the draft head's calls ---------------------------------------------------------------
     def before_head(self, input_ids: Any) -> Any:
@@ -195,13 +205,22 @@ class _MaskingRunner:
         return getattr(self._runner, name)
 
     def forward(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        rows = self._step.before_head(forward_batch.input_ids)
+        step = self._step
+        rows = None
+        if not step.failed:
+            try:
+                rows = step.before_head(forward_batch.input_ids)
+            except Exception as exc:  # never the step's failure: the rest drafts blind
+                step.fail(exc)
         out = self._runner.forward(forward_batch, *args, **kwargs)
-        if self._step.masking and rows is not None:
+        if step.masking and rows is not None and not step.failed:
             logits_output = out.logits_output
-            logits_output.next_token_logits = ps.apply_vocab_mask(
-                logits_output.next_token_logits, rows
-            )
+            try:
+                logits_output.next_token_logits = ps.apply_vocab_mask(
+                    logits_output.next_token_logits, rows
+                )
+            except Exception as exc:
+                step.fail(exc)
         return out
 
 
@@ -552,10 +571,10 @@ def _stage(step: EagleStep, result: Any) -> None:
     try:
         _, top_scores_index, draft_tokens, _ = result
         staged = None
-        if top_scores_index is not None and step.session is not None:
+        if top_scores_index is not None and step.session is not None and not step.failed:
             staged = step.finish(top_scores_index, draft_tokens)
         STATS.update({"draft_steps": 1, "draft_rows": step.rows})
-        if staged is None:
+        if staged is None and not step.failed:
             warn_once(
                 "draft:unmapped",
                 "portable_spec: a draft tree sglang built could not be mapped to the drafted "
