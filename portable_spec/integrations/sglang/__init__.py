@@ -125,9 +125,10 @@ def _set_draft_patches(on: bool) -> None:
         waiter.deactivate()
         patches.uninstall()
     drafting.clear()
-    from portable_spec.integrations.sglang.eagle_draft import forget_roots
+    from portable_spec.integrations.sglang import eagle_draft, ngram
 
-    forget_roots()
+    eagle_draft.forget_roots()
+    ngram.forget()
 
 
 def register() -> None:

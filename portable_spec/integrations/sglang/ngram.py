@@ -43,7 +43,7 @@ import portable_spec as ps
 from portable_spec.integrations.sglang import drafting, internals
 from portable_spec.integrations.sglang.grammars import plan_step, warn_once
 
-__all__ = ["wrap_prepare", "wrap_step"]
+__all__ = ["forget", "wrap_prepare", "wrap_step"]
 
 _local = threading.local()  # .last: the _Forced record of this thread's last NGRAM step
 
@@ -93,6 +93,11 @@ def wrap_step(original: Any) -> Any:
         return result
 
     return forward_batch_generation
+
+
+def forget() -> None:
+    """Drop this thread's record of the last NGRAM step (the plugin is uninstalled)."""
+    _local.last = None
 
 
 def _count_accepted(worker: Any) -> None:
