@@ -26,7 +26,7 @@ pytest.importorskip("sglang")
 import _sgl
 
 from portable_spec.integrations import sglang as plugin
-from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang import internals, state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = [
@@ -130,7 +130,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     own = spec_utils.build_grammar_vocab_mask
     monkeypatch.setattr(internals, "version", lambda: "0.5.24")
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install() and not fresh.install()
     assert len(caplog.records) == 1 and "0.5.24" in caplog.records[0].getMessage()
     assert spec_utils.build_grammar_vocab_mask is own
@@ -142,7 +142,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     changed[internals.BUILD] = "0" * 64
     monkeypatch.setitem(internals.REVISIONS, "0.5.23", type(revision)(revision.version, changed))
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install()
     assert len(caplog.records) == 1
     assert "build_grammar_vocab_mask" in caplog.records[0].getMessage()
@@ -155,9 +155,7 @@ def test_modes_and_stats():
     assert not plugin.is_installed()
     with _sgl.plugin_on("shadow"):
         assert plugin.is_installed()
-        from portable_spec.integrations.sglang.masks import Active
-
-        assert Active.mode == "shadow"
+        assert state.INTEGRATION.mode == "shadow"
     assert not plugin.is_installed()
     stats = plugin.integration_stats()
     assert {"steps", "built", "rows_compared", "rows_differing", "median_us"} <= set(stats)

@@ -29,28 +29,28 @@ To add a release: install it, run ``python -m portable_spec.integrations.sglang.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import importlib.util
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from portable_spec.integrations.patching import Patch, PatchSet, Revision, resolve, source_hash
+from portable_spec.integrations.face import engine_version
+from portable_spec.integrations.patching import Revision, print_sources, resolve
 
 __all__ = [
     "BUILD",
     "CHAIN",
     "CHAIN_MARK",
+    "DISTRIBUTIONS",
+    "ENGINE",
     "FILL",
+    "PACKAGE",
     "READS",
     "REVISIONS",
     "TARGETS",
+    "TRIGGER",
     "generate_token_bitmask",
     "grammar_mask",
     "kind_of",
     "logger",
-    "patch_set",
     "traverse_tree",
     "version",
     "xgrammar_rows",
@@ -59,7 +59,10 @@ __all__ = [
 #: A child of sglang's logger: the plugin's lines come out with sglang's format and level.
 logger = logging.getLogger("sglang.portable_spec")
 
+#: the engine's name in log lines and errors; the package it imports as; its distribution
 ENGINE = "sglang"
+PACKAGE = "sglang"
+DISTRIBUTIONS = ("sglang",)
 _SPEC = "sglang.srt.speculative.spec_utils"
 _BASE = "sglang.srt.constrained.base_grammar_backend"
 _XGR = "sglang.srt.constrained.xgrammar_backend"
@@ -72,7 +75,11 @@ BUILD = f"{_SPEC}:build_grammar_vocab_mask"
 CHAIN = f"{_SPEC}:GrammarTree.from_linear_chain"
 #: the plain fill (replaced)
 FILL = f"{_BASE}:BaseGrammarObject.fill_vocab_mask_batched"
+#: every function the plugin replaces
 TARGETS = (BUILD, CHAIN, FILL)
+#: the module whose import (in the scheduler's process) installs the plugin, from sglang's
+#: entry point
+TRIGGER = _SPEC
 
 _GENERATE = f"{_SPEC}:generate_token_bitmask"
 _TRAVERSE = f"{_SPEC}:traverse_tree"
@@ -141,33 +148,9 @@ REVISIONS: dict[str, Revision] = {
 
 
 def version() -> str | None:
-    """The installed sglang's version (from its distribution metadata: nothing is imported),
-    or None without sglang."""
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def patch_set(
-    build: Callable[[Any], Any], chain: Callable[[Any], Any], fill: Callable[[Any], Any]
-) -> PatchSet:
-    """sglang's patch set: each target replaced by its ``make(sglang's own)``, :data:`READS`
-    recognised."""
-    return PatchSet(
-        ENGINE,
-        patches=[
-            Patch(BUILD, build, rebind=True),
-            Patch(CHAIN, chain),
-            Patch(FILL, fill),
-            *(Patch(target) for target in READS),
-        ],
-        revisions=REVISIONS,
-        version=version,
-        logger=logger,
-    )
+    """The installed sglang's version (its distribution's metadata: nothing is imported), or
+    None without sglang."""
+    return engine_version(PACKAGE, DISTRIBUTIONS)
 
 
 # -- what the plugin calls of sglang's own (the modules are imported once it is installed) ----
@@ -307,13 +290,5 @@ def allocates_bitmask(grammar: Any, words: int) -> bool:
     )
 
 
-def print_sources() -> None:
-    """Print this process's sglang version and the source hash of every target."""
-    print(f"sglang {version()}")
-    for target in (*TARGETS, *READS):
-        print(f"{target}: {source_hash(resolve(target)[2])}")
-
-
-if __name__ == "__main__":
-    importlib.import_module("sglang")
-    print_sources()
+if __name__ == "__main__":  # the row of REVISIONS this process's sglang would need
+    print_sources(ENGINE, version(), (*TARGETS, *READS))
