@@ -28,7 +28,7 @@ pytest.importorskip("sglang")
 import _sgl
 
 from portable_spec.integrations import sglang as plugin
-from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang import internals, state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = [
@@ -137,7 +137,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     own = spec_utils.build_grammar_vocab_mask
     monkeypatch.setattr(internals, "version", lambda: "0.5.24")
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install() and not fresh.install()
     assert len(caplog.records) == 1 and "0.5.24" in caplog.records[0].getMessage()
     assert spec_utils.build_grammar_vocab_mask is own
@@ -149,7 +149,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     changed[internals.BUILD] = "0" * 64
     monkeypatch.setitem(internals.REVISIONS, "0.5.23", type(revision)(revision.version, changed))
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install()
     assert len(caplog.records) == 1
     assert "build_grammar_vocab_mask" in caplog.records[0].getMessage()
@@ -162,9 +162,7 @@ def test_modes_and_stats():
     assert not plugin.is_installed()
     with _sgl.plugin_on("shadow"):
         assert plugin.is_installed()
-        from portable_spec.integrations.sglang.masks import Active
-
-        assert Active.mode == "shadow"
+        assert state.INTEGRATION.mode == "shadow"
     assert not plugin.is_installed()
     stats = plugin.integration_stats()
     assert {"steps", "built", "rows_compared", "rows_differing", "median_us"} <= set(stats)
@@ -179,7 +177,7 @@ def test_drafting_switch(monkeypatch):
     before anything is patched."""
     from sglang.srt.speculative import eagle_worker_v2, ngram_worker
 
-    from portable_spec.integrations.sglang import drafting
+    from portable_spec.integrations.sglang import state
 
     def patched() -> list[bool]:
         return [
@@ -193,24 +191,24 @@ def test_drafting_switch(monkeypatch):
             ("", [True, True]),
             ("shadow", [True, True]),
         ):
-            monkeypatch.setenv(drafting.DRAFTING_ENV_VAR, value)
-            drafting.set_mode(None)  # read the variable again
+            monkeypatch.setenv(state.DRAFTING_ENV_VAR, value)
+            state.set_drafting_switch(None)  # read the variable again
             with _sgl.plugin_on():
                 assert patched() == expected, value
-                assert drafting.mode() == {"0": "off", "": "on", "shadow": "shadow"}[value]
+                assert state.drafting_mode() == {"0": "off", "": "on", "shadow": "shadow"}[value]
             assert patched() == [False, False]
-        monkeypatch.setenv(drafting.DRAFTING_ENV_VAR, "maybe")
-        drafting.set_mode(None)
-        with pytest.raises(ValueError, match=drafting.DRAFTING_ENV_VAR):
+        monkeypatch.setenv(state.DRAFTING_ENV_VAR, "maybe")
+        state.set_drafting_switch(None)
+        with pytest.raises(ValueError, match=state.DRAFTING_ENV_VAR):
             plugin.install()
         assert not plugin.is_installed() and patched() == [False, False]
-        drafting.set_mode("on")
+        state.set_drafting_switch("on")
         with _sgl.plugin_on():
             plugin.set_drafting(False)
             assert patched() == [False, False]
             plugin.set_drafting(True)
             assert patched() == [True, True]
         with _sgl.plugin_on("shadow"):
-            assert drafting.mode() == "shadow"  # shadow mode never changes sglang's drafts
+            assert state.drafting_mode() == "shadow"  # shadow mode never changes sglang's drafts
     finally:
-        drafting.set_mode(None)
+        state.set_drafting_switch(None)

@@ -1,4 +1,4 @@
-"""Grammar-aware drafting in sglang: the switch, and the verify mask of a drafted step.
+"""Grammar-aware drafting in sglang: the verify mask of a drafted step.
 
 sglang's speculative workers draft blind: an EAGLE head's top-k and an n-gram corpus both
 propose tokens the grammar refuses, and each such node is a verify slot that can only be
@@ -9,7 +9,7 @@ tree's mask from the rows drafting computed (:func:`drafted_rows`: one gather, n
 walk), after checking that the tree sglang verifies is the tree that was drafted (node by
 node: parent and token). Any other step, or a step whose tree differs, is built as before.
 
-``PORTABLE_SPEC_SGLANG_DRAFTING`` (read when the plugin installs):
+``PORTABLE_SPEC_SGLANG_DRAFTING`` (:mod:`.state`, read when the plugin installs):
 
 * unset, empty, ``1``, ``on``: drafting on wherever the plugin is on; in the plugin's shadow
   mode, drafting is shadowed too;
@@ -22,74 +22,21 @@ node: parent and token). Any other step, or a step whose tree differs, is built 
 
 from __future__ import annotations
 
-import importlib.abc
-import os
-import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from portable_spec.integrations.patching import ImportHook, read_mode
 from portable_spec.integrations.sglang.internals import logger
+from portable_spec.integrations.sglang.state import STATS, drafting_mode
 
-__all__ = [
-    "DRAFTING_ENV_VAR",
-    "Drafted",
-    "WhenImported",
-    "drafted_rows",
-    "mode",
-    "set_mode",
-    "stage",
-    "switch",
-]
-
-DRAFTING_ENV_VAR = "PORTABLE_SPEC_SGLANG_DRAFTING"
-
-
-class _Switch:
-    """The drafting switch of this process: ``"on"``, ``"shadow"`` or ``"off"``; None until
-    the environment is read or :func:`set_mode` is called."""
-
-    mode: str | None = None
-    plugin_mode = "on"  # the plugin's own mode (``install``): "on" or "shadow"
-
-
-def switch() -> str:
-    """The drafting switch: set by :func:`set_mode`, else read from
-    ``PORTABLE_SPEC_SGLANG_DRAFTING`` once (unset or empty: ``"on"``). Raises ValueError
-    naming the variable for a value other than ``1``/``on``, ``shadow``, ``0``/``off``."""
-    if _Switch.mode is None:
-        value = os.environ.get(DRAFTING_ENV_VAR, "").strip()
-        _Switch.mode = read_mode(DRAFTING_ENV_VAR) if value else "on"
-    return _Switch.mode
-
-
-def set_plugin_mode(value: str) -> None:
-    """The plugin's mode (``"on"`` or ``"shadow"``), as :func:`mode` reads it."""
-    _Switch.plugin_mode = value
-
-
-def set_mode(value: str | None) -> None:
-    """Set the drafting switch (``"on"``, ``"shadow"`` or ``"off"``; None: read the
-    environment again when next asked)."""
-    if value not in ("on", "shadow", "off", None):
-        raise ValueError(f"drafting must be 'on', 'shadow' or 'off', got {value!r}")
-    _Switch.mode = value
+__all__ = ["Drafted", "clear", "drafted_rows", "mode", "stage"]
 
 
 def mode() -> str:
-    """The drafting mode in force: ``"off"``, ``"shadow"`` (the switch says so, or the plugin
-    runs in shadow mode: shadow mode never changes what sglang does) or ``"on"``."""
-    setting = switch()
-    if setting == "off":
-        return "off"
-    if setting == "shadow" or _Switch.plugin_mode == "shadow":
-        return "shadow"
-    return "on"
+    """The drafting mode in force (:func:`.state.drafting_mode`)."""
+    return drafting_mode()
 
 
 @dataclass
@@ -136,7 +83,7 @@ def clear() -> None:
 
 
 def drafted_rows(
-    plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any, stats: Any
+    plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any
 ) -> tuple[Any, np.ndarray] | None:
     """The verify mask of a drafted step from its session's rows: ``(mask, valid)`` (int32
     ``[batch * nodes, words]`` on ``device``, host bool ``[batch, nodes]``), or
@@ -146,7 +93,7 @@ def drafted_rows(
 
     ``plan``: the step's :class:`~portable_spec.integrations.sglang.grammars.Plan`;
     ``arrays``: the verify tree's host ``(next_token, next_sibling, draft)``, int64
-    ``[batch, nodes]``; ``stats``: the plugin's counters. Blocks for the rows of levels staged
+    ``[batch, nodes]``. Blocks for the rows of levels staged
     without masks (computed now); the upload is started without blocking.
     """
     step = take()
@@ -154,14 +101,14 @@ def drafted_rows(
         return None
     try:
         if not _matches(step, plan, arrays, vocab_size):
-            stats.add("draft_mismatches")
+            STATS.add("draft_mismatches")
             logger.debug("portable_spec: a drafted step's verify tree is not the drafted tree")
             return None
         session, select = step.session, step.select
         mask = session.verify_mask(select)
         valid = session.valid(select)
         real = (select > 0) & np.array([m is not None for m in step.matchers])[:, None]
-        stats.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
+        STATS.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
         if mask is None:  # no request has a grammar: nothing the caller could use
             return None
         if str(mask.device) != str(device):  # a session opened elsewhere than the verify
@@ -226,70 +173,3 @@ def _parents(next_token: np.ndarray, next_sibling: np.ndarray) -> np.ndarray:
         parent[b, sib[b, p]] = p
         frontier = sib
     return parent
-
-
-class WhenImported:
-    """Calls ``callback(module)`` once the module ``name`` has been imported and executed:
-    at :meth:`activate` if it has been, right after its import if it has not started
-    (:class:`~portable_spec.integrations.patching.ImportHook`), or, when it is executing right
-    now (an import cycle reached the plugin from inside it), at the first import that starts
-    after it finished. A failing callback is logged, never raised into an import."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], Any]) -> None:
-        self.name = name
-        self._callback = callback
-        self._hook: ImportHook | None = None
-        self._after: _AfterImport | None = None
-
-    def activate(self) -> None:
-        module = sys.modules.get(self.name)
-        if module is not None and _initializing(module):
-            if self._after is None:
-                self._after = _AfterImport(self)
-                sys.meta_path.insert(0, self._after)
-            return
-        if self._hook is None:
-            self._hook = ImportHook(self.name, self._callback, logger)
-        self._hook.activate()
-
-    def deactivate(self) -> None:
-        if self._hook is not None:
-            self._hook.deactivate()
-        self._drop_after()
-
-    def _drop_after(self) -> None:
-        after, self._after = self._after, None
-        if after is not None and after in sys.meta_path:
-            sys.meta_path.remove(after)
-
-    def _poll(self) -> None:
-        module = sys.modules.get(self.name)
-        if module is None or _initializing(module):
-            return
-        self._drop_after()
-        try:
-            self._callback(module)
-        except Exception:
-            logger.exception("portable_spec: patching %s failed", self.name)
-
-
-def _initializing(module: ModuleType) -> bool:
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Asks its waiter to check its module at every import; finds nothing itself."""
-
-    _busy = threading.local()
-
-    def __init__(self, waiter: WhenImported) -> None:
-        self._waiter = waiter
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        if not getattr(self._busy, "on", False):
-            self._busy.on = True
-            try:
-                self._waiter._poll()
-            finally:
-                self._busy.on = False
-        return None

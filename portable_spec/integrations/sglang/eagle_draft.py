@@ -48,8 +48,9 @@ import numpy as np
 
 import portable_spec as ps
 from portable_spec.integrations.sglang import drafting, internals
-from portable_spec.integrations.sglang.grammars import plan_step, warn_once
+from portable_spec.integrations.sglang.grammars import plan_step
 from portable_spec.integrations.sglang.internals import logger
+from portable_spec.integrations.sglang.state import LOG, STATS
 
 __all__ = [
     "EagleStep",
@@ -103,7 +104,7 @@ class EagleStep:
         """Stop masking this draft (a level or its mask failed): the rest of it is sglang's
         own, its verify mask built afresh. One warning line per kind."""
         self.failed = True
-        warn_once(f"draft-level:{type(exc).__name__}",
+        LOG.warning(f"draft-level:{type(exc).__name__}",
                   "portable_spec: a draft level was not masked (%s); the rest of that draft "
                   "is sglang's own", exc)  # fmt: skip
 
@@ -447,7 +448,7 @@ def wrap_extend(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 _keep_roots(list(batch.reqs), logits_output.next_token_logits)
             except Exception as exc:  # never the step's failure
-                warn_once("roots", "portable_spec: draft root logits not kept: %s", exc)
+                LOG.warning("roots", "portable_spec: draft root logits not kept: %s", exc)
         return result
 
     return draft_extend
@@ -493,7 +494,7 @@ def _open(worker: Any, batch: Any) -> EagleStep | None:
         return None
     sampling_info = batch.sampling_info
     if internals.draft_probs_needed(sampling_info):
-        warn_once("draft:rejection", "portable_spec: rejection sampling on a non-greedy "
+        LOG.warning("draft:rejection", "portable_spec: rejection sampling on a non-greedy "
                   "batch: its drafts are sglang's own")  # fmt: skip
         return None
     reqs = list(batch.reqs)
@@ -506,7 +507,7 @@ def _open(worker: Any, batch: Any) -> EagleStep | None:
     try:
         return _start(worker, batch, spec, plan, reqs, vocab, mode)
     except Exception as exc:
-        warn_once(f"draft:{type(exc).__name__}",
+        LOG.warning(f"draft:{type(exc).__name__}",
                   "portable_spec: drafting without grammar masks this step: %s", exc)  # fmt: skip
         return None
 
@@ -544,7 +545,7 @@ def _mask_root(worker: Any, batch: Any, spec: Any, step: EagleStep, reqs: list) 
     if not order:
         return
     if logits.shape[-1] != step.session.draft_vocab_size:
-        warn_once("root:width", "portable_spec: the kept draft logits are %d wide, the "
+        LOG.warning("root:width", "portable_spec: the kept draft logits are %d wide, the "
                   "draft vocabulary %d: roots left unmasked", logits.shape[-1],
                   step.session.draft_vocab_size)  # fmt: skip
         return
@@ -566,8 +567,6 @@ def _mask_root(worker: Any, batch: Any, spec: Any, step: EagleStep, reqs: list) 
 
 def _stage(step: EagleStep, result: Any) -> None:
     """Stage the drafted step for its verify build (never raises)."""
-    from portable_spec.integrations.sglang.masks import STATS
-
     try:
         _, top_scores_index, draft_tokens, _ = result
         staged = None
@@ -575,7 +574,7 @@ def _stage(step: EagleStep, result: Any) -> None:
             staged = step.finish(top_scores_index, draft_tokens)
         STATS.update({"draft_steps": 1, "draft_rows": step.rows})
         if staged is None and not step.failed:
-            warn_once(
+            LOG.warning(
                 "draft:unmapped",
                 "portable_spec: a draft tree sglang built could not be mapped to the drafted "
                 "nodes; its verify mask is built afresh",

@@ -9,7 +9,11 @@ The plugin replaces three functions of sglang:
 * ``spec_utils.GrammarTree.from_linear_chain``, wrapped: the trees it makes are marked as
   chains, which the library builds without walking links;
 * ``BaseGrammarObject.fill_vocab_mask_batched``, the plain one-row-per-request fill of
-  ``SamplingBatchInfo.update_regex_vocab_mask``.
+  ``SamplingBatchInfo.update_regex_vocab_mask``;
+
+and, in patch sets of their own installed when their worker module is imported (grammar-aware
+drafting, :data:`DRAFT_SETS`), eight functions of the EAGLE v2 draft loop and two of the NGRAM
+worker, with their own table of source hashes (:data:`DRAFT_SOURCES`).
 
 It relies on sglang's grammar objects as they are at the releases listed below: the fields
 and methods of ``XGrammarGrammar`` (``matcher``), ``GuidanceGrammar`` (``ll_matcher``,
@@ -29,28 +33,28 @@ To add a release: install it, run ``python -m portable_spec.integrations.sglang.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import importlib.util
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from portable_spec.integrations.patching import Patch, PatchSet, Revision, resolve, source_hash
+from portable_spec.integrations.face import engine_version
+from portable_spec.integrations.patching import Revision, print_sources, resolve
 
 __all__ = [
     "BUILD",
     "CHAIN",
     "CHAIN_MARK",
+    "DISTRIBUTIONS",
+    "ENGINE",
     "FILL",
+    "PACKAGE",
     "READS",
     "REVISIONS",
     "TARGETS",
+    "TRIGGER",
     "generate_token_bitmask",
     "grammar_mask",
     "kind_of",
     "logger",
-    "patch_set",
     "traverse_tree",
     "version",
     "xgrammar_rows",
@@ -59,7 +63,10 @@ __all__ = [
 #: A child of sglang's logger: the plugin's lines come out with sglang's format and level.
 logger = logging.getLogger("sglang.portable_spec")
 
+#: the engine's name in log lines and errors; the package it imports as; its distribution
 ENGINE = "sglang"
+PACKAGE = "sglang"
+DISTRIBUTIONS = ("sglang",)
 _SPEC = "sglang.srt.speculative.spec_utils"
 _BASE = "sglang.srt.constrained.base_grammar_backend"
 _XGR = "sglang.srt.constrained.xgrammar_backend"
@@ -72,7 +79,11 @@ BUILD = f"{_SPEC}:build_grammar_vocab_mask"
 CHAIN = f"{_SPEC}:GrammarTree.from_linear_chain"
 #: the plain fill (replaced)
 FILL = f"{_BASE}:BaseGrammarObject.fill_vocab_mask_batched"
+#: every function the plugin replaces
 TARGETS = (BUILD, CHAIN, FILL)
+#: the module whose import (in the scheduler's process) installs the plugin, from sglang's
+#: entry point
+TRIGGER = _SPEC
 
 _GENERATE = f"{_SPEC}:generate_token_bitmask"
 _TRAVERSE = f"{_SPEC}:traverse_tree"
@@ -141,33 +152,9 @@ REVISIONS: dict[str, Revision] = {
 
 
 def version() -> str | None:
-    """The installed sglang's version (from its distribution metadata: nothing is imported),
-    or None without sglang."""
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def patch_set(
-    build: Callable[[Any], Any], chain: Callable[[Any], Any], fill: Callable[[Any], Any]
-) -> PatchSet:
-    """sglang's patch set: each target replaced by its ``make(sglang's own)``, :data:`READS`
-    recognised."""
-    return PatchSet(
-        ENGINE,
-        patches=[
-            Patch(BUILD, build, rebind=True),
-            Patch(CHAIN, chain),
-            Patch(FILL, fill),
-            *(Patch(target) for target in READS),
-        ],
-        revisions=REVISIONS,
-        version=version,
-        logger=logger,
-    )
+    """The installed sglang's version (its distribution's metadata: nothing is imported), or
+    None without sglang."""
+    return engine_version(PACKAGE, DISTRIBUTIONS)
 
 
 # -- what the plugin calls of sglang's own (the modules are imported once it is installed) ----
@@ -307,19 +294,7 @@ def allocates_bitmask(grammar: Any, words: int) -> bool:
     )
 
 
-def print_sources() -> None:
-    """Print this process's sglang version and the source hash of every target."""
-    print(f"sglang {version()}")
-    for target in (*TARGETS, *READS):
-        print(f"{target}: {source_hash(resolve(target)[2])}")
-
-
-if __name__ == "__main__":
-    importlib.import_module("sglang")
-    print_sources()
-
-
-# -- grammar-aware drafting (a patch set of its own: .drafting, .eagle_draft, .ngram) -----------
+# -- grammar-aware drafting (patch sets of their own: .drafting, .eagle_draft, .ngram) ----------
 
 _EAGLE = "sglang.srt.speculative.eagle_worker_v2"
 _NGRAM = "sglang.srt.speculative.ngram_worker"
@@ -396,24 +371,13 @@ DRAFT_SOURCES: dict[str, dict[str, str]] = {
 }
 
 
-def draft_patch_set(name: str, makers: dict[str, Callable[[Any], Any]]) -> PatchSet:
-    """The drafting patch set ``name`` (a key of :data:`DRAFT_SETS`): each target replaced by
-    ``makers[target]`` (given sglang's own), its reads recognised."""
-    _, targets, reads = DRAFT_SETS[name]
-    listed = (*targets, *reads)
-    return PatchSet(
-        f"sglang {name}",
-        patches=[
-            *(Patch(target, makers[target]) for target in targets),
-            *(Patch(target) for target in reads),
-        ],
-        revisions={
-            label: Revision(label, {t: sources[t] for t in listed})
-            for label, sources in DRAFT_SOURCES.items()
-        },
-        version=version,
-        logger=logger,
-    )
+def draft_revisions(listed: tuple[str, ...]) -> dict[str, Revision]:
+    """The known releases as a drafting patch set over ``listed`` recognises them: each
+    release's hashes of those targets and reads."""
+    return {
+        label: Revision(label, {t: sources[t] for t in listed})
+        for label, sources in DRAFT_SOURCES.items()
+    }
 
 
 def draft_module(name: str) -> str:
@@ -469,3 +433,9 @@ def draft_probs(logits: Any, sampling_info: Any) -> Any:
 def eagle_topk(probs: Any, topk: int) -> tuple[Any, Any]:
     """sglang's ``fast_topk(probs, topk, dim=-1)``: ``(values, indices)``."""
     return resolve(_EAGLE_TOPK)[2](probs, topk, dim=-1)
+
+
+if __name__ == "__main__":  # the row of REVISIONS this process's sglang would need
+    print_sources(ENGINE, version(), (*TARGETS, *READS))
+    for _module, targets, reads in DRAFT_SETS.values():
+        print_sources(ENGINE, version(), (*targets, *reads))

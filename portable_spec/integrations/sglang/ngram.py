@@ -41,7 +41,8 @@ import numpy as np
 
 import portable_spec as ps
 from portable_spec.integrations.sglang import drafting, internals
-from portable_spec.integrations.sglang.grammars import plan_step, warn_once
+from portable_spec.integrations.sglang.grammars import plan_step
+from portable_spec.integrations.sglang.state import LOG, STATS
 
 __all__ = ["forget", "wrap_prepare", "wrap_step"]
 
@@ -73,7 +74,7 @@ def wrap_prepare(original: Any) -> Any:
         try:
             return _rewrite(self, batch, req_drafts, mask, mode)
         except Exception as exc:  # never the step's failure: sglang's tree
-            warn_once(f"ngram:{type(exc).__name__}",
+            LOG.warning(f"ngram:{type(exc).__name__}",
                       "portable_spec: NGRAM drafts left as sglang's: %s", exc)  # fmt: skip
             drafting.clear()
             return req_drafts, mask
@@ -102,8 +103,6 @@ def forget() -> None:
 
 def _count_accepted(worker: Any) -> None:
     """Count the forced tokens ``worker``'s previous step's verify accepted."""
-    from portable_spec.integrations.sglang.masks import STATS
-
     last = getattr(_local, "last", None)
     _local.last = None
     if last is None or last.worker is not worker or last.result is None:
@@ -126,8 +125,6 @@ def _count_accepted(worker: Any) -> None:
 def _rewrite(
     worker: Any, batch: Any, req_drafts: np.ndarray, mask: np.ndarray, mode: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    from portable_spec.integrations.sglang.masks import STATS
-
     reqs = list(batch.reqs)
     bs = len(reqs)
     vocab = int(batch.sampling_info.vocab_size)
