@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,40 @@ def test_drafting_switch(monkeypatch):
             assert state.drafting_mode() == "shadow"  # shadow mode never changes sglang's drafts
     finally:
         state.set_drafting_switch(None)
+
+
+def _doc_block(marker: str) -> str:
+    """The python block of docs/sglang.md that contains ``marker``."""
+    doc = Path(HERE, "..", "..", "docs", "sglang.md").read_text()
+    blocks = doc.split("```python\n")[1:]
+    (block,) = [b.split("```")[0] for b in blocks if marker in b]
+    return block
+
+
+@pytest.mark.skipif(_sgl.DEVICE.type != "cpu", reason="what a CPU host needs")
+def test_a_cpu_host_as_docs_sglang_md_says():
+    """In a fresh process on this CPU host: without the CPU set-up, sglang's speculative modules
+    do not import, and ``install()`` says so (the import that failed, never "a source that
+    differs"); then docs/sglang.md's CPU block, as written, installs the plugin."""
+    script = textwrap.dedent(
+        """
+        import logging, os
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("sglang.portable_spec").addHandler(handler)
+        for name in ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE"):
+            os.environ.pop(name, None)
+        from portable_spec.integrations import sglang as plugin
+        print("BARE", plugin.install(), lines)
+        """
+    ) + _doc_block("import conftest")
+    root = os.path.dirname(os.path.dirname(HERE))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (bare,) = [line for line in done.stdout.splitlines() if line.startswith("BARE")]
+    assert bare.startswith("BARE False"), bare
+    assert "sglang.srt.speculative.spec_utils does not import here" in bare, bare
+    assert "No module named 'torchvision'" in bare and "differ" not in bare, bare
