@@ -18,6 +18,8 @@ row_repairer        the same, taken once for a loop              numpy/Python
 keep_rows           the decision of repair_rows, no writes       numpy/Python
 take_rows           listed rows copied out (compact layout)      numpy
 traverse_xgrammar   one request's xgrammar walk, GIL released    xgrammar's Python binding
+grow_xgrammar       a draft tree's new nodes decided, xgrammar   None: the caller's path
+                    matchers moved step by step, GIL released
 chain_live          llguidance's written-rows pass               None: the caller's numpy pass
 repair_chains       walked chains repaired (vLLM's repeat rule)  none: the vLLM plugin's only,
                                                                  its checked path otherwise
@@ -88,6 +90,7 @@ __all__ = [
     "chain_live",
     "chain_masks",
     "configure",
+    "grow_xgrammar",
     "keep_rows",
     "links_valid",
     "llguidance_masks",
@@ -117,7 +120,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 def _load() -> ModuleType | None:
@@ -393,6 +396,13 @@ _XGRAMMAR_METHODS = {
     "traverse_draft_tree": ["Any", "Any", "Any", "Any", "float", "Any"],
     "is_terminated": [],
 }
+#: the single-step methods :func:`grow_xgrammar` calls (bound when their signatures say this
+#: too; the walks above do without them): parameters after ``self``, then the return type
+_XGRAMMAR_MOVES = {
+    "accept_token": (["int", "bool"], "bool"),
+    "fill_next_token_bitmask": (["Any", "int", "bool"], "bool"),
+    "rollback": (["int"], "None"),
+}
 _bound_types: dict[type, bool] = {}
 _bound_functions: list[Any] = []  # keeps the bound method functions (and their handles) alive
 _bound_helper: list[ModuleType | None] = [None]  # the compiled helper that holds the binding
@@ -445,6 +455,58 @@ def traverse_xgrammar(
         return False
     matcher.traverse_draft_tree(next_token, next_sibling, draft, rows)
     return True
+
+
+def grow_xgrammar(
+    matchers: list[Any],
+    requests: np.ndarray,
+    limits: np.ndarray,
+    rows: np.ndarray,
+    parents: np.ndarray,
+    tokens: np.ndarray,
+    valid: np.ndarray,
+    live: np.ndarray,
+    start: int,
+    end: int,
+) -> tuple[int, str | None, int, int] | None:
+    """Decide the new nodes ``start .. end - 1`` of draft trees grown level by level (a
+    :class:`portable_spec.DraftSession`'s), each request's xgrammar matcher moved through its
+    single-step methods with the GIL released: one accept and one fill per new node, never a
+    refill of a node decided before.
+
+    Args:
+        matchers: the xgrammar matcher of each listed request (probed by the library, at most
+            ``words`` words wide: a narrower one's rows get zeros past its width).
+        requests: int64 ``[count]``, each matcher's row of the arrays below (distinct).
+        limits: int64 ``[count]``: tokens at or past it are refused without asking.
+        rows: int32 ``[batch, capacity, words]``: rows of nodes below ``start`` are read (a
+            node's token must be allowed by its parent's row), rows of new nodes written
+            (the matcher's row when live, all-allowed otherwise).
+        parents, tokens: int64 ``[batch, capacity]``: each node's parent (an earlier node, or
+            -1: padding) and token.
+        valid, live: bool ``[batch, capacity]``: ``live`` of nodes below ``start`` is read;
+            both are written for new nodes (valid: the grammar accepts the root path, an end
+            token included; live: valid and not terminated).
+
+    Returns:
+        ``(failed, message, checked, refused)``: ``failed`` -1, or the index into ``matchers``
+        of the one xgrammar raised on (its new nodes written refused, later requests
+        untouched; ``message``: xgrammar's words); ``checked``: new nodes whose token the
+        grammar was asked about (children of live nodes), ``refused``: those it refused.
+        ``None`` when the helper cannot do it (not in use, xgrammar's
+        single-step methods not bound, a matcher it cannot call, or one another build walks):
+        nothing written, nothing moved. Every matcher is back in its state when it returns.
+        Blocks until done.
+    """
+    helper = native
+    if helper is None or helper is not _bound_helper[0]:
+        return None
+    done = helper.xgrammar_grow(
+        matchers, requests, limits, rows, parents, tokens, valid, live, start, end
+    )
+    if done is None:
+        return None
+    return int(done[2]), done[3], int(done[0]), int(done[1])
 
 
 def chain_live(
@@ -532,7 +594,32 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
         return False
     _bound_functions.extend(functions)
     _bound_helper[0] = helper
+    _bind_moves(helper, info, methods)
     return True
+
+
+def _bind_moves(helper: ModuleType, info: Any, methods: dict[str, Any]) -> None:
+    """Bind the single-step methods of :data:`_XGRAMMAR_MOVES` when their signatures agree
+    (else :func:`grow_xgrammar` declines; logged at debug level)."""
+    try:
+        for name, (params, returned) in _XGRAMMAR_MOVES.items():
+            method = methods.get(name)
+            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
+            said, returns = _signature(schema)
+            if (
+                method is None
+                or method.is_static
+                or said != [info.type_key, *params]
+                or returns != [returned]
+            ):
+                logger.debug("xgrammar's %s is %s -> %s; its moves not bound", name, said, returns)
+                return
+        functions = [methods[name].func for name in _XGRAMMAR_MOVES]
+        helper.xgrammar_bind_moves(*(f.__chandle__() for f in functions))
+    except Exception as exc:  # an unexpected reflection layout: the callers' paths
+        logger.debug("xgrammar's moves not bound (%s)", exc)
+        return
+    _bound_functions.extend(functions)
 
 
 use(_load())

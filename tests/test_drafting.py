@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import portable_spec as ps
 import portable_spec.builder.routes as routes
+import portable_spec.native as native
 from portable_spec.drafting import forced_tokens, graft_chain, links_from_parents
 from portable_spec.registry import backend_for
 
@@ -457,31 +458,76 @@ def test_levels_added_without_masks_are_computed_when_needed(smollm2, tok):
         np.testing.assert_array_equal(s.verify_mask(), want)
 
 
-def test_xgrammar_levels_are_walked_in_one_compiled_call(smollm2, tok, monkeypatch):
-    """xgrammar requests: a level's rows come from one walk of the tree so far (the library's
-    compiled build), levels staged without masks from one walk together; no matcher is
-    forked per node, and the rows are the build's."""
+def _spy_walks(monkeypatch):
+    """Record the DraftSession's xgrammar walks: ``grows`` the compiled step-by-step calls
+    (start, end, checked), ``wholes`` the whole-tree builds (tree shapes)."""
     from portable_spec.drafting import session as session_module
 
-    walks = []
-    build = session_module.build_host_bitmask
+    grows, wholes = [], []
+    grow, build = native.grow_xgrammar, session_module.build_host_bitmask
 
-    def counted(matchers, tree, *args, **kwargs):
-        walks.append(tree.shape)
+    def counted_grow(*args):
+        done = grow(*args)
+        if done is not None:
+            grows.append((args[-2], args[-1], done[2]))
+        return done
+
+    def counted_build(matchers, tree, *args, **kwargs):
+        wholes.append(tree.shape)
         return build(matchers, tree, *args, **kwargs)
 
-    monkeypatch.setattr(session_module, "build_host_bitmask", counted)
+    monkeypatch.setattr(native, "grow_xgrammar", counted_grow)
+    monkeypatch.setattr(session_module, "build_host_bitmask", counted_build)
+    return grows, wholes
+
+
+@pytest.mark.skipif(native.native is None, reason="portable_spec._native is not built here")
+def test_xgrammar_levels_ask_the_grammar_about_their_new_nodes_only(smollm2, tok, monkeypatch):
+    """xgrammar requests: each level's new nodes are decided by one compiled call that asks the
+    grammar about them alone (an accept and a fill each), never again about a node decided
+    before, however deep the tree; levels staged without masks are decided together; rows
+    and validity are the build's."""
+    grows, wholes = _spy_walks(monkeypatch)
+    grammar = smollm2.grammars["json_schema"]
+    matchers = [xgr.GrammarMatcher(grammar), None, xgr.GrammarMatcher(grammar)]
+    toks = tok.encode('{"name": "Alice", "age": 30, "email": "al')
+    depth = len(toks)
+    with ps.DraftSession(matchers, smollm2.size) as s:
+        s.extend([[0, 0]] * 3, [[toks[0], 7]] * 3)
+        for d in range(1, depth - 3):  # a chain with a refused sibling at every level
+            first = s.nodes
+            s.extend([[first - 2, first - 2]] * 3, [[toks[d], 7]] * 3)
+            assert grows[-1] == (first, first + 2, 4)  # two children per xgrammar request
+        for d in range(depth - 3, depth):  # the last three staged, decided together
+            s.extend([[s.nodes - 2, -1]] * 3, [[toks[d], 0]] * 3, masks=False)
+        assert len(grows) == depth - 3
+        mask = s.verify_mask()
+        assert grows[-1] == (2 * depth - 5, s.nodes, 6) and not wholes
+        tree = _tree(s.tree())
+        valid = s.valid()
+    want, want_valid = ps.build_host_bitmask(matchers, tree, smollm2.size, return_valid=True)
+    np.testing.assert_array_equal(mask, want)
+    np.testing.assert_array_equal(valid, want_valid)
+    assert sum(checked for *_, checked in grows) == 2 * (2 * (depth - 3) + 3)
+
+
+def test_xgrammar_levels_without_the_compiled_steps_walk_the_whole_tree(smollm2, tok, monkeypatch):
+    """Where the helper cannot move xgrammar's matchers itself, a level's rows come from one
+    compiled build of the tree so far (levels staged without masks from one build together):
+    the same rows."""
+    grows, wholes = _spy_walks(monkeypatch)
+    monkeypatch.setattr(native, "grow_xgrammar", lambda *args: None)
     grammar = smollm2.grammars["json_schema"]
     matchers = [xgr.GrammarMatcher(grammar), None, xgr.GrammarMatcher(grammar)]
     toks = tok.encode('{"name": "Al')
     with ps.DraftSession(matchers, smollm2.size) as s:
         s.extend([[0, 0]] * 3, [[toks[0], 7]] * 3)
-        assert len(walks) == 1 and walks[0].batch == 2  # the two xgrammar requests
+        assert len(wholes) == 1 and wholes[0].batch == 2  # the two xgrammar requests
         for depth in range(1, 4):
             s.extend([[2 * depth - 1, -1]] * 3, [[toks[depth], 0]] * 3, masks=False)
-        assert len(walks) == 1
+        assert len(wholes) == 1
         mask = s.verify_mask()
-        assert len(walks) == 2 and walks[1].nodes == s.nodes
+        assert len(wholes) == 2 and wholes[1].nodes == s.nodes and not grows
         want = ps.build_grammar_vocab_mask(matchers, _tree(s.tree()), smollm2.size)
         np.testing.assert_array_equal(mask, want)
         assert s.valid()[0].tolist() == [True, True, False, True, False, True, False, True, False]

@@ -9,6 +9,7 @@
  *   walk.c           the walk runner: the one place that calls xgrammar without the GIL
  *   array_entries.c  links_valid, repair_rows, keep_rows, take_rows, repair_chains, chain_live
  *   walk_entries.c   xgrammar_traverse, walk_chains, walk_trees
+ *   grow.c           xgrammar_grow: a draft tree's new nodes, the matcher moved step by step
  *   pack.c           draft lists packed into a walk; pack_chains
  *   masks.c          chain_masks, span_masks, tree_masks
  *   vllm.c           vllm_chains, read from vLLM's objects (the attribute names handed in)
@@ -46,6 +47,7 @@
 #include "walk.c"
 #include "array_entries.c"
 #include "walk_entries.c"
+#include "grow.c"
 #include "pack.c"
 #include "masks.c"
 #include "vllm.c"
@@ -53,7 +55,7 @@
 #include "llguidance_entries.c"
 #include "guidance.c"
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -78,6 +80,11 @@ static PyMethodDef methods[] = {
      "checks)."},
     {"xgrammar_bind", xgrammar_bind, METH_VARARGS,
      "xgrammar_bind(call, move_error, decref, traverse, is_terminated, type_index)."},
+    {"xgrammar_bind_moves", xgrammar_bind_moves, METH_VARARGS,
+     "xgrammar_bind_moves(accept_token, fill_next_token_bitmask, rollback)."},
+    {"xgrammar_grow", xgrammar_grow, METH_VARARGS,
+     "xgrammar_grow(matchers, requests, limits, rows, parents, tokens, valid, live, start, end) "
+     "-> (checked, rejected, failed, message) or None (GIL released)."},
     {"xgrammar_traverse", xgrammar_traverse, METH_VARARGS,
      "xgrammar_traverse(matcher, next_token, next_sibling, draft, rows) -> bool or None (GIL "
      "released)."},

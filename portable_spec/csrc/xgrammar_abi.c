@@ -46,7 +46,7 @@ typedef struct {
     uint64_t byte_offset;
 } DlTensor;
 
-enum { FFI_NONE = 0, FFI_BOOL = 2, FFI_FLOAT = 3, FFI_DLTENSOR_PTR = 7, FFI_STATIC_OBJECT = 64 };
+enum { FFI_NONE = 0, FFI_INT = 1, FFI_BOOL = 2, FFI_FLOAT = 3, FFI_DLTENSOR_PTR = 7, FFI_STATIC_OBJECT = 64 };
 
 typedef int (*ffi_call_fn)(void *func, FfiAny *args, int32_t num_args, FfiAny *result);
 typedef void (*ffi_move_error_fn)(void **error);
@@ -56,6 +56,8 @@ static ffi_call_fn ffi_call;
 static ffi_move_error_fn ffi_move_error;
 static ffi_decref_fn ffi_decref;
 static void *xgr_traverse_fn, *xgr_is_terminated_fn;
+/* the single-step methods (xgrammar_grow's moves): bound separately, NULL until then */
+static void *xgr_accept_fn, *xgr_fill_fn, *xgr_rollback_fn;
 static int32_t xgr_matcher_type = -1;
 
 static PyObject *xgrammar_bind(PyObject *self, PyObject *args) {
@@ -77,6 +79,29 @@ static PyObject *xgrammar_bind(PyObject *self, PyObject *args) {
     xgr_is_terminated_fn = (void *)(uintptr_t)is_terminated;
     xgr_matcher_type = type_index;
     Py_RETURN_NONE;
+}
+
+/* The matcher type's accept_token, fill_next_token_bitmask and rollback functions (the same
+   type xgrammar_bind bound). */
+static PyObject *xgrammar_bind_moves(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long accept, fill, rollback;
+    if (!PyArg_ParseTuple(args, "KKK", &accept, &fill, &rollback)) return NULL;
+    if (ffi_call == NULL || !accept || !fill || !rollback) {
+        PyErr_SetString(PyExc_ValueError,
+                        "xgrammar_bind_moves: a null address, or xgrammar_bind not called");
+        return NULL;
+    }
+    xgr_accept_fn = (void *)(uintptr_t)accept;
+    xgr_fill_fn = (void *)(uintptr_t)fill;
+    xgr_rollback_fn = (void *)(uintptr_t)rollback;
+    Py_RETURN_NONE;
+}
+
+/* Whether the single-step methods are bound. */
+static int ffi_moves_bound(void) {
+    return ffi_call != NULL && xgr_accept_fn != NULL && xgr_fill_fn != NULL &&
+           xgr_rollback_fn != NULL;
 }
 
 /* 0 when xgrammar's methods are bound, else -1 with a RuntimeError. */
@@ -176,6 +201,53 @@ static int ffi_traverse(const FfiAny *matcher, int64_t *nt, int64_t *ns, int64_t
     ffi_arg(&args[6], FFI_NONE); /* no temperatures */
     ffi_arg(&result, FFI_NONE);
     if (ffi_call(xgr_traverse_fn, args, 7, &result) != 0) {
+        *error = ffi_take_error();
+        return -1;
+    }
+    return 0;
+}
+
+/* matcher.accept_token(token, debug_print=False): 1 accepted, 0 refused, or -1 with *error
+   set (malloc'd or NULL). */
+static int ffi_accept(const FfiAny *matcher, int64_t token, char **error) {
+    FfiAny args[3] = {*matcher}, result;
+    ffi_arg(&args[1], FFI_INT);
+    args[1].v_int64 = token;
+    ffi_arg(&args[2], FFI_BOOL);
+    ffi_arg(&result, FFI_NONE);
+    if (ffi_call(xgr_accept_fn, args, 3, &result) != 0) {
+        *error = ffi_take_error();
+        return -1;
+    }
+    return result.v_int64 != 0;
+}
+
+/* matcher.fill_next_token_bitmask(row, 0) into one int32 row of `words` words: 0, or -1 with
+   *error set. */
+static int ffi_fill(const FfiAny *matcher, int32_t *row, int64_t words, char **error) {
+    FfiAny args[4] = {*matcher}, result;
+    int64_t shape[2] = {1, words};
+    DlTensor t_row;
+    ffi_tensor(&t_row, row, 2, shape, 32);
+    ffi_arg(&args[1], FFI_DLTENSOR_PTR);
+    args[1].v_ptr = &t_row;
+    ffi_arg(&args[2], FFI_INT);
+    ffi_arg(&args[3], FFI_BOOL);
+    ffi_arg(&result, FFI_NONE);
+    if (ffi_call(xgr_fill_fn, args, 4, &result) != 0) {
+        *error = ffi_take_error();
+        return -1;
+    }
+    return 0;
+}
+
+/* matcher.rollback(count): 0, or -1 with *error set. */
+static int ffi_rollback(const FfiAny *matcher, int64_t count, char **error) {
+    FfiAny args[2] = {*matcher}, result;
+    ffi_arg(&args[1], FFI_INT);
+    args[1].v_int64 = count;
+    ffi_arg(&result, FFI_NONE);
+    if (ffi_call(xgr_rollback_fn, args, 2, &result) != 0) {
         *error = ffi_take_error();
         return -1;
     }

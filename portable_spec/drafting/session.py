@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native
 from portable_spec.backend import Backend, MaskLayout
 from portable_spec.builder import build_host_bitmask
 from portable_spec.delivery import built_rows, deliver, plan, resolve_target, settle_dense
@@ -100,11 +101,14 @@ class DraftSession:
         self._kinds = kinds
         self._grammars = list(matchers)
         self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
-        # xgrammar requests: a level's rows from one compiled walk of the tree so far (a fork,
-        # an accept and a fill per node from Python cost several times more); the others:
-        # their engine's draft states, node by node
+        # xgrammar requests: a level's rows from one compiled call that moves each matcher
+        # over the new nodes only (a fork, an accept and a fill per node from Python cost
+        # several times more); the others: their engine's draft states, node by node
         self._walked = [b for b in self._constrained if kinds[b] == XGRAMMAR]
         self._forked = [b for b in self._constrained if kinds[b] != XGRAMMAR]
+        self._walked_index: np.ndarray | None = None  # the compiled walk's arguments, made once
+        self._walked_limits: np.ndarray | None = None
+        self._walked_matchers: list[Any] = []
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
@@ -397,13 +401,44 @@ class DraftSession:
 
     def _walk(self, start: int, end: int) -> None:
         """The walked requests' rows, ``valid`` and ``live`` for nodes ``start .. end - 1``
-        (their parents and tokens written): one compiled walk of each request's tree of nodes
-        ``0 .. end - 1``. A node is live when accepted and its row is the grammar's: the walk
-        leaves terminated nodes all-allowed, and a live all-allowed row (a grammar allowing
-        every token) has nothing to mask nor to force."""
+        (their parents and tokens written; nodes below ``start`` decided).
+
+        With the compiled helper, each request's matcher decides only the new nodes (one
+        accept and one fill each, its ancestors accepted on the way: see
+        :func:`portable_spec.native.grow_xgrammar`). Otherwise one compiled walk of each
+        request's tree of nodes ``0 .. end - 1``, which refills every earlier node's row."""
         sub = self._walked
         if not sub or end <= start:
             return
+        if self._walked_index is None:
+            self._walked_index = np.asarray(sub, dtype=np.int64)
+            self._walked_limits = self._limits[self._walked_index]
+            self._walked_matchers = [self._grammars[b] for b in sub]
+        done = native.grow_xgrammar(
+            self._walked_matchers,
+            self._walked_index,
+            self._walked_limits,
+            self._rows,
+            self._parents,
+            self._tokens,
+            self._valid,
+            self._live,
+            start,
+            end,
+        )
+        if done is None:
+            self._walk_whole(start, end)
+            return
+        failed, message, _, _ = done
+        if failed >= 0:
+            raise MatcherError(sub[failed], RuntimeError(message))
+
+    def _walk_whole(self, start: int, end: int) -> None:
+        """:meth:`_walk` by one compiled walk of the whole tree so far (a node is live when
+        accepted and its row is the grammar's: the walk leaves terminated nodes all-allowed,
+        and a live all-allowed row, a grammar allowing every token, has nothing to mask nor to
+        force)."""
+        sub = self._walked
         parents = self._parents[sub, :end]
         next_token, next_sibling = links_from_parents(parents)
         tree = GrammarTree.from_host(next_token, next_sibling, self._tokens[sub, :end])
