@@ -109,6 +109,8 @@ class DraftSession:
         self._walked_index: np.ndarray | None = None  # the compiled walk's arguments, made once
         self._walked_limits: np.ndarray | None = None
         self._walked_matchers: list[Any] = []
+        self._unconstrained = [b for b, kind in enumerate(kinds) if kind == NONE]
+        self._batch_rows = np.arange(self.batch)[:, None]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
@@ -121,6 +123,7 @@ class DraftSession:
         self._store: HostBuffer | None = None
         self._grow(int(max_nodes))
         self._states: list[NodeStates | None] = [None] * self.batch
+        self._limited: list[int] = []  # requests whose engine bounds a tree's depth
         started = time.perf_counter()
         rows = self._rows
         rows[:, 0] = ALL_ALLOWED
@@ -133,6 +136,8 @@ class DraftSession:
             for b in self._constrained:
                 states = node_states(kinds[b], matchers[b], infos[b], self.words)  # type: ignore[arg-type]
                 self._states[b] = states
+                if states.max_depth is not None:
+                    self._limited.append(b)
                 try:
                     alive = states.start(rows[b])
                 except BaseException as exc:
@@ -343,17 +348,10 @@ class DraftSession:
         columns = slice(first, first + k)
         pad = parents < 0
         safe_parent = np.where(pad, 0, parents)
-        rows_b = np.arange(batch)[:, None]
+        rows_b = self._batch_rows
         depth = np.where(pad, 0, self._depth[rows_b, safe_parent] + 1)
-        check_depths(self._states, self._constrained, depth, where)
-
-        parent_live = self._live[rows_b, safe_parent] & ~pad
-        limits = self._limits[:, None]
-        in_range = (tokens >= 0) & (tokens < limits)
-        safe_token = np.where(in_range, tokens, 0)
-        word = self._rows[rows_b, safe_parent, safe_token >> 5]
-        allowed = ((word >> (safe_token & 31)) & 1).astype(bool)
-        candidate = parent_live & in_range & allowed
+        if self._limited:
+            check_depths(self._states, self._limited, depth, where)
 
         # writes below stay invisible until self._nodes moves past them
         self._parents[:, columns] = parents
@@ -361,27 +359,40 @@ class DraftSession:
         self._depth[:, columns] = depth
         valid = np.zeros((batch, k), dtype=bool)
         live = np.zeros((batch, k), dtype=bool)
-        unconstrained = [b for b in range(batch) if self._kinds[b] == NONE]
+        unconstrained = self._unconstrained
         if unconstrained:
             valid[unconstrained] = ~pad[unconstrained]
             live[unconstrained] = ~pad[unconstrained]
-        run_states(
-            self._states,
-            self._forked,
-            self._rows,
-            self._parents,
-            self._tokens,
-            first,
-            parents,
-            tokens,
-            candidate,
-            valid,
-            live,
-        )
-        block = self._rows[:, columns]
-        block[~live | pad] = ALL_ALLOWED
+        if self._forked:
+            parent_live = self._live[rows_b, safe_parent] & ~pad
+            limits = self._limits[:, None]
+            in_range = (tokens >= 0) & (tokens < limits)
+            safe_token = np.where(in_range, tokens, 0)
+            word = self._rows[rows_b, safe_parent, safe_token >> 5]
+            allowed = ((word >> (safe_token & 31)) & 1).astype(bool)
+            candidate = parent_live & in_range & allowed
+            run_states(
+                self._states,
+                self._forked,
+                self._rows,
+                self._parents,
+                self._tokens,
+                first,
+                parents,
+                tokens,
+                candidate,
+                valid,
+                live,
+            )
+        # all-allowed rows: padding, nodes of unconstrained requests, forked requests' nodes
+        # that are not live; the walked requests' rows are all written by their walk
+        fill = ~live | pad
         if unconstrained:
-            block[unconstrained] = ALL_ALLOWED
+            fill[unconstrained] = True
+        if self._walked:
+            fill[self._walked] = False
+        if fill.any():
+            self._rows[:, columns][fill] = ALL_ALLOWED
         self._valid[:, columns] = valid
         self._live[:, columns] = live
         if walk:
@@ -496,7 +507,9 @@ class DraftSession:
         flat = self._rows.reshape(batch * self._capacity, self.words)
 
         def fill(out: np.ndarray) -> None:
-            np.take(flat, index, axis=0, out=out)
+            # "clip": the indices are in range by construction, and the default "raise"
+            # buffers the whole output (several times slower)
+            np.take(flat, index, axis=0, out=out, mode="clip")
             if padding.any():
                 out[padding] = ALL_ALLOWED
 
