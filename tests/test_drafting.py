@@ -18,7 +18,10 @@ from _oracle import (
     ProtocolMatcher,
     Request,
     expected_mask,
+    fill_row,
     parents_of,
+    replay,
+    root_path,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -509,6 +512,110 @@ def test_xgrammar_levels_ask_the_grammar_about_their_new_nodes_only(smollm2, tok
     np.testing.assert_array_equal(mask, want)
     np.testing.assert_array_equal(valid, want_valid)
     assert sum(checked for *_, checked in grows) == 2 * (2 * (depth - 3) + 3)
+
+
+GROWN_SHAPES = {"chain": (2, 1, 12), "tree": (4, 4, 5), "wide": (8, 8, 5)}  # kids, frontier, depth
+
+
+@pytest.mark.skipif(native.native is None, reason="portable_spec._native is not built here")
+@pytest.mark.parametrize("shape", sorted(GROWN_SHAPES))
+def test_grown_levels_match_per_node_replay(smollm2, tok, monkeypatch, shape):
+    """Chains, trees and wide trees grown level by level by the compiled step-by-step calls,
+    deeper and wider than the drawn cases: every level's rows, the verify mask and validity
+    equal each node's path replayed on a fresh matcher. The trees mix allowed tokens with end
+    tokens, refused and out-of-range tokens and padding; the requests are a JSON schema, a
+    grammar that may end after any token, a terminated grammar and an unconstrained one; the
+    last level is staged without masks. No matcher moves, no level walks the whole tree."""
+    grows, wholes = _spy_walks(monkeypatch)
+    kids, frontier_width, depth = GROWN_SHAPES[shape]
+    eos, size, words = smollm2.eos, smollm2.size, smollm2.words
+    short = smollm2.compiler.compile_grammar('root ::= [a-c] [a-c]* | "{" [a-c]*')
+    done = smollm2.compiler.compile_grammar('root ::= "a"')
+    requests = [
+        Request(smollm2.grammars["json_schema"], tok.encode('{"')),
+        Request(short),
+        None,
+        Request(done, [tok.encode("a")[0], eos]),
+    ]
+    matchers = [r and r.fresh() for r in requests]
+    assert matchers[3].is_terminated()
+    batch = len(requests)
+    before = matcher_prints(matchers, words, PROBE)
+    rng = np.random.default_rng(sorted(GROWN_SHAPES).index(shape))
+    parent = [[-1] for _ in range(batch)]
+    token = [[0] for _ in range(batch)]
+    got = {}  # (request, node) -> the row a level returned
+    with ps.DraftSession(matchers, size, max_nodes=4) as s:
+        rows = {(b, 0): row for b, row in enumerate(np.asarray(s.root_mask()))}
+        frontier = [[0] for _ in range(batch)]
+        for level in range(depth):
+            last = level == depth - 1
+            first = s.nodes
+            k = kids * frontier_width
+            P = np.full((batch, k), -1, np.int64)
+            T = np.zeros((batch, k), np.int64)
+            for b in range(batch):
+                for j in range(k):
+                    if j // kids >= len(frontier[b]) or rng.random() < 0.05:
+                        continue  # padding
+                    p = frontier[b][j // kids]
+                    allowed = np.flatnonzero(
+                        np.unpackbits(rows[(b, p)].view(np.uint8), bitorder="little")[:size]
+                    )
+                    roll = 1.0 if j % kids == 0 else rng.random()  # a first child allowed
+                    if roll < 0.08:
+                        t = eos
+                    elif roll < 0.14:
+                        t = int(rng.integers(size, size + 50))  # out of range
+                    elif roll < 0.22:
+                        t = int(rng.integers(0, size))  # mostly refused
+                    else:
+                        t = int(rng.choice(allowed)) if allowed.size else int(rng.integers(size))
+                    P[b, j], T[b, j] = p, t
+            out = s.extend(P, T, masks=not last)
+            assert (out is None) == last
+            for b in range(batch):
+                for j in range(k):
+                    if P[b, j] >= 0:
+                        parent[b].append(int(P[b, j]))
+                        token[b].append(int(T[b, j]))
+                    else:
+                        parent[b].append(-1)
+                        token[b].append(0)
+                    if not last:
+                        rows[(b, first + j)] = np.asarray(out[b * k + j])
+                        got[(b, first + j)] = rows[(b, first + j)]
+                firsts = [first + j for j in range(0, k, kids) if P[b, j] >= 0]
+                others = [first + j for j in range(k) if P[b, j] >= 0 and j % kids]
+                chosen = [*rng.permutation(firsts), *rng.permutation(others)]
+                frontier[b] = [int(v) for v in chosen[:frontier_width]]
+            assert grows[-1][:2] == (first, first + k) or last
+        assert not wholes and len(grows) == depth - 1
+        mask = np.asarray(s.verify_mask())
+        assert len(grows) == depth and grows[-1][:2] == (first, first + k)
+        valid = s.valid()
+        nodes = s.nodes
+    assert matcher_prints(matchers, words, PROBE) == before
+    mask = mask.reshape(batch, nodes, -1)
+    live_count = 0
+    for b, request in enumerate(requests):
+        for v in range(nodes):
+            if v > 0 and parent[b][v] == -1:  # padding
+                want_row, want_valid = np.full(words, -1, np.int32), False
+            elif request is None:
+                want_row, want_valid = np.full(words, -1, np.int32), True
+            else:
+                accepted, m = replay(request.fresh, root_path(parent[b], v), token[b], size, words)
+                live = accepted and not m.is_terminated()
+                live_count += live and v > 0
+                want_row = fill_row(m, words, size) if live else np.full(words, -1, np.int32)
+                want_valid = accepted
+            np.testing.assert_array_equal(mask[b, v], want_row, err_msg=f"{b}, {v}")
+            if (b, v) in got:
+                np.testing.assert_array_equal(got[(b, v)], want_row, err_msg=f"{b}, {v}")
+            assert valid[b, v] == want_valid, (b, v)
+    assert live_count > depth  # the trees reach past their first levels
+    assert not valid[3, 1:].any()  # nothing follows a terminated grammar
 
 
 def test_xgrammar_levels_without_the_compiled_steps_walk_the_whole_tree(smollm2, tok, monkeypatch):
