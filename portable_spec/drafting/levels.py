@@ -40,18 +40,18 @@ def check_parents(first: int, parents: np.ndarray, tree_parents: np.ndarray, whe
     """A level's parent ids (int64 ``[batch, k]``) must be nodes ``0..first-1`` of the tree so
     far (``tree_parents``: int64 ``[batch, capacity]``) that are not padding slots, or -1;
     ``ValueError`` naming the first that is not (``where``: appended to the message)."""
-    bad = np.argwhere((parents < -1) | (parents >= first))
-    if bad.size:
-        b, j = (int(x) for x in bad[0])
+    wrong = (parents < -1) | (parents >= first)
+    if wrong.any():  # argwhere only then: it costs several times a reduction
+        b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(
             f"parents[{b}, {j}] = {int(parents[b, j])} is not a node of the tree{where}: "
             f"parents must be existing nodes 0..{first - 1}, or -1 for a padding slot"
         )
     safe = np.where(parents < 0, 0, parents)
     padding_parent = (tree_parents[np.arange(parents.shape[0])[:, None], safe] < 0) & (safe > 0)
-    bad = np.argwhere(padding_parent & (parents >= 0))
-    if bad.size:
-        b, j = (int(x) for x in bad[0])
+    wrong = padding_parent & (parents >= 0)
+    if wrong.any():
+        b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(
             f"parents[{b}, {j}] = {int(parents[b, j])} is a padding slot{where} (its "
             "parent was -1): padding has no children"
