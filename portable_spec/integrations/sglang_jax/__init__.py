@@ -66,6 +66,7 @@ def _drafting() -> bool:
 MASKS: tuple[Patch, ...] = (
     Patch(revisions.VERIFY, verify.wrap_verify),
     Patch(revisions.SAMPLE, verify.wrap_sample),
+    Patch(revisions.RESOLVE, verify.wrap_resolve),
     Patch(revisions.TOPK, draft.wrap_topk),
     Patch(revisions.SELECT, draft.wrap_select),
     Patch(revisions.DRAFT, lambda own: draft.wrap_draft_forward(own, _drafting)),
