@@ -17,7 +17,8 @@ result for the process.
   that ``from_pretrained`` call itself works offline (``HF_HUB_OFFLINE=1``), as in the docs.
 * Schema workloads: :data:`INVOICE_SCHEMA` (an API payload) and :data:`TOOL_CALL_SCHEMA` (a
   function call), long fixed keys, enums and nested objects, with a prompt each in
-  :data:`SCHEMA_WORKLOADS`: the shapes of output where the grammar alone decides many tokens.
+  :data:`SCHEMA_WORKLOADS`: the shapes of output where the grammar alone decides many tokens;
+  :data:`SCHEMA_EXAMPLES`: a valid output of each.
 * Sample grammars: :data:`PERSON_SCHEMA` (JSON schema), :data:`EBNF_KEY_VALUES`,
   :data:`REGEX_DATE_EMAIL`, :data:`LARK_KEY_VALUES`, compiled by :func:`compile_sample`
   (xgrammar), :func:`llguidance_matcher` and :func:`outlines_guide` on the same vocabulary.
@@ -43,6 +44,7 @@ __all__ = [
     "LARK_KEY_VALUES",
     "PERSON_SCHEMA",
     "REGEX_DATE_EMAIL",
+    "SCHEMA_EXAMPLES",
     "SCHEMA_WORKLOADS",
     "TOOL_CALL_SCHEMA",
     "VOCAB_FILE_ENV",
@@ -165,6 +167,36 @@ TOOL_CALL_SCHEMA: dict[str, Any] = {
     },
     "required": ["tool_call_type", "function_name", "function_arguments"],
     "additionalProperties": False,
+}
+
+#: ``{name: instance}``: a valid output of each schema workload (what a model answers), whose
+#: tokens replay a decode position by position where no model runs.
+SCHEMA_EXAMPLES: dict[str, dict[str, Any]] = {
+    "invoice": {
+        "invoice_number": "INV-004821",
+        "issue_date": "2026-03-14",
+        "currency_code": "USD",
+        "payment_status": "pending",
+        "billing_customer": {
+            "customer_full_name": "Jane Doe",
+            "customer_email_address": "jane@example.com",
+            "customer_account_type": "personal",
+        },
+        "invoice_line_items": [
+            {"item_description": "Plumbing work", "item_quantity": 2, "item_unit_price": 85.5}
+        ],
+        "total_amount_due": 171.0,
+    },
+    "tool_call": {
+        "tool_call_type": "function",
+        "function_name": "get_current_weather",
+        "function_arguments": {
+            "location_city_name": "Paris",
+            "temperature_unit": "celsius",
+            "include_hourly_forecast": False,
+            "forecast_days_ahead": 3,
+        },
+    },
 }
 
 #: ``{name: (schema, prompt)}``: schema-shaped outputs for drafting workloads and benchmarks.

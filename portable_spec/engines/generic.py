@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import MatcherInfo, NodeStates
+from portable_spec.engines.cursor import Cursor, whole_characters
 from portable_spec.engines.walk import ENDED_HELD, LIVE, REFUSED, ReplayStates, walk_tree
 
 __all__ = [
     "ForkStates",
+    "ProtocolCursor",
     "ProtocolReplayStates",
     "generic_info",
     "generic_states",
@@ -158,8 +160,26 @@ class ForkStates(NodeStates):
     def forced(
         self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
     ) -> list[int]:
-        find = getattr(self.states[node], "find_jump_forward_tokens", None)
+        state = self._state_at(node, parents, tokens)
+        find = getattr(state, "find_jump_forward_tokens", None)
         return [int(t) for t in find()][:most] if callable(find) else []
+
+    def _state_at(self, node: int, parents: np.ndarray, tokens: np.ndarray) -> Any:
+        """The fork at live ``node``: kept, or (a node whose rows a compiled walk computed)
+        forked from its nearest kept ancestor and moved down its path, then kept."""
+        state = self.states.get(node)
+        if state is not None:
+            return state
+        path = []
+        at = node
+        while at not in self.states:
+            path.append(at)
+            at = int(parents[at])
+        state = self.states[at].fork()
+        for step in reversed(path):
+            state.accept_token(int(tokens[step]))
+        self.states[node] = state
+        return state
 
     def discard(self, first: int) -> None:
         for node in [n for n in self.states if n >= first]:
@@ -220,3 +240,49 @@ def _forks_faithfully(matcher: Any) -> bool:
     except Exception:
         return False
     return type(fork) is type(matcher)
+
+
+class ProtocolCursor(Cursor):
+    """Forced drafting on a :class:`portable_spec.GrammarMatcherLike`: a faithful ``fork()``
+    walked forward, else the matcher itself, rolled back by :meth:`close`. Each token is
+    tested against the state's mask first. Forced text: the optional
+    ``find_jump_forward_string()`` (str or bytes); forced tokens: the optional
+    ``find_jump_forward_tokens()``."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo) -> None:
+        super().__init__(matcher, info)
+        fork = getattr(matcher, "fork", None)
+        self.forked = callable(fork) and _forks_faithfully(matcher)
+        self.state = matcher.fork() if self.forked else matcher
+        self.held = 0
+        self._tail = _tail_word(info)
+
+    def alive(self) -> bool:
+        return not self.state.is_terminated()
+
+    def _take(self, token: int) -> int:
+        outcome = take_token(self.state, token)
+        if outcome != REFUSED and not self.forked:
+            self.held += 1
+        return outcome
+
+    def _fill(self, out: np.ndarray) -> None:
+        self.state.fill_next_token_bitmask(out, 0)
+        if self._tail is not None:
+            out[0, self.info.words - 1] &= self._tail
+
+    def forced_text(self) -> str | None:
+        find = getattr(self.state, "find_jump_forward_string", None)
+        if not callable(find):
+            return None
+        text = find()
+        return whole_characters(bytes(text)) if isinstance(text, (bytes, bytearray)) else str(text)
+
+    def forced_tokens(self, most: int) -> list[int] | None:
+        find = getattr(self.state, "find_jump_forward_tokens", None)
+        return [int(t) for t in find()][:most] if callable(find) else None
+
+    def close(self) -> None:
+        if self.held:
+            held, self.held = self.held, 0
+            self.matcher.rollback(held)

@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.cursor import Cursor, single_token
 from portable_spec.engines.walk import ENDED_FREE, LIVE, REFUSED, ReplayStates, walk_tree
 
 __all__ = [
     "STATE_ROWS_BUDGET",
+    "OutlinesCursor",
     "OutlinesStates",
     "StateRows",
     "is_guide",
@@ -250,7 +252,7 @@ class OutlinesStates(ReplayStates):
         moved = 0
         try:
             while moved < most and not guide.is_finished():
-                token = _single_token(current)
+                token = single_token(current)
                 if token is None or not self._advance(token):
                     break
                 moved += 1
@@ -267,12 +269,39 @@ class OutlinesStates(ReplayStates):
         return found
 
 
-def _single_token(row: np.ndarray) -> int | None:
-    """The token of a row that allows exactly one, else None."""
-    words = np.flatnonzero(row)
-    if len(words) != 1:
-        return None
-    word = int(row[words[0]]) & 0xFFFFFFFF
-    if word & (word - 1):
-        return None
-    return int(words[0]) * 32 + word.bit_length() - 1
+class OutlinesCursor(Cursor):
+    """Forced drafting on an ``outlines_core.Guide``: the guide itself is advanced and
+    :meth:`close` rolls it back (never past its rollback window: :attr:`max_steps`).
+    outlines-core has no forced text of its own: the tokens forced are those of states that
+    allow a single token (the driver's rule). At a final state the end token is allowed and
+    ``advance`` refuses it: taking it ends the grammar without moving the guide."""
+
+    def __init__(self, matcher: Any, info: MatcherInfo) -> None:
+        super().__init__(matcher, info)
+        self.held = 0
+
+    def alive(self) -> bool:
+        return True
+
+    def _take(self, token: int) -> int:
+        try:
+            self.matcher.advance(token, return_tokens=False)
+        except ValueError:
+            return ENDED_FREE if self.matcher.is_finished() else REFUSED
+        self.held += 1
+        return LIVE
+
+    def _fill(self, out: np.ndarray) -> None:
+        guide = self.matcher
+        state = guide.get_state()
+        cached = state_rows.get(guide, state, self.info.words)
+        if cached is None:
+            guide.write_mask_into(out.ctypes.data, self.info.words, 4)
+            state_rows.put(guide, state, out[0])
+        else:
+            out[0] = cached
+
+    def close(self) -> None:
+        if self.held:
+            held, self.held = self.held, 0
+            self.matcher.rollback_state(held)

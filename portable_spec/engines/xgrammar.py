@@ -11,11 +11,15 @@ import numpy as np
 
 from portable_spec import native, pending, stats
 from portable_spec.engines.base import IdentityCache, MatcherInfo
+from portable_spec.engines.cursor import Cursor, whole_characters
 from portable_spec.engines.generic import ForkStates
+from portable_spec.engines.walk import ENDED_HELD, LIVE, REFUSED
 from portable_spec.native import traverse_xgrammar, xgrammar_handle
 
 __all__ = [
+    "XGrammarCursor",
     "chain_facts",
+    "has_forced_tokens",
     "probe_xgrammar",
     "walk_xgrammar",
     "xgrammar_info",
@@ -142,3 +146,55 @@ def xgrammar_states(matcher: Any, info: MatcherInfo, words: int) -> ForkStates:
     states = ForkStates(matcher, info, words, protocol=False)
     states.parallel = True
     return states
+
+
+class XGrammarCursor(Cursor):
+    """Forced drafting on an xgrammar matcher: the matcher itself is walked forward and
+    :meth:`close` rolls it back (xgrammar 0.2.8 on rolls back without limit; a fork would cost
+    more than the walk). Its acceptance is its mask, so :meth:`take` asks ``accept_token``
+    alone. Forced text: ``find_jump_forward_string()`` (the longest string every continuation
+    starts with; cut to whole characters, which xgrammar 0.2.8 raises ``UnicodeDecodeError``
+    for instead); forced tokens: ``find_jump_forward_tokens()`` (xgrammar 0.2.9 on: a greedy
+    longest-token segmentation), else None."""
+
+    checks_mask = False
+
+    def __init__(self, matcher: Any, info: MatcherInfo) -> None:
+        super().__init__(matcher, info)
+        self.held = 0
+
+    def alive(self) -> bool:
+        return not self.matcher.is_terminated()
+
+    def may_end(self) -> bool:
+        return bool(self.matcher.is_completed())
+
+    def _take(self, token: int) -> int:
+        if not self.matcher.accept_token(token):
+            return REFUSED
+        self.held += 1
+        # xgrammar terminates exactly when it accepts one of its stop tokens
+        return ENDED_HELD if token in self.info.stop_set else LIVE
+
+    def _fill(self, out: np.ndarray) -> None:
+        self.matcher.fill_next_token_bitmask(out, 0)
+
+    def forced_text(self) -> str | None:
+        try:
+            return str(self.matcher.find_jump_forward_string())
+        except UnicodeDecodeError as exc:  # xgrammar 0.2.8: the bytes stop inside a character
+            return whole_characters(bytes(exc.object))
+
+    def forced_tokens(self, most: int) -> list[int] | None:
+        find = getattr(self.matcher, "find_jump_forward_tokens", None)
+        return None if find is None else [int(t) for t in find()][:most]
+
+    def close(self) -> None:
+        if self.held:
+            held, self.held = self.held, 0
+            self.matcher.rollback(held)
+
+
+def has_forced_tokens(matcher: Any) -> bool:
+    """Whether an xgrammar matcher has ``find_jump_forward_tokens`` (xgrammar 0.2.9 on)."""
+    return callable(getattr(matcher, "find_jump_forward_tokens", None))

@@ -116,6 +116,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--chain-batch", type=_ints, help="chains section batch sizes (full: 1,8,64,256)"
     )
     p.add_argument(
+        "--forced-drafts", type=_ints, help="forced section: drafts per request K (full: 4,8)"
+    )
+    p.add_argument(
+        "--forced-batch", type=_ints, help="forced section batch sizes (full: 1,8,16,32,64)"
+    )
+    p.add_argument(
         "--chain-reasoning",
         type=_shares,
         help="chains section: shares of the batch still reasoning (full: 0,0.5)",

@@ -16,6 +16,7 @@ SECTIONS = (
     "layout",
     "async",
     "percall",
+    "forced",
     "targets",
     "thresholds",
 )
@@ -50,6 +51,8 @@ class Preset:
     async_vocabs: tuple[str, ...] = ("smollm2", "131072")
     async_batch: int = 32
     async_nodes: int = 32
+    forced_drafts: tuple[int, ...] = (4, 8)
+    forced_batches: tuple[int, ...] = (1, 8, 16, 32, 64)
 
 
 FULL = Preset(
@@ -91,4 +94,6 @@ QUICK = Preset(
     async_vocabs=("smollm2",),
     async_batch=8,
     async_nodes=16,
+    forced_drafts=(4,),
+    forced_batches=(1, 8),
 )

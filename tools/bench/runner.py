@@ -192,6 +192,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         steps += len(layout_grid.vocabs) * len(layout_grid.nodes) * len(layout_grid.batches)
     steps += len(async_vocabs) if "async" in sections else 0
     steps += 2 * len(vocabs) if "percall" in sections else 0
+    forced_drafts = args.forced_drafts or preset.forced_drafts
+    forced_batches = args.forced_batch or preset.forced_batches
+    steps += len(forced_drafts) if "forced" in sections else 0
     steps += 3 * len(vocabs) if "thresholds" in sections else 0
     steps += 2 + 2 * len(chain_drafts) + 1 + 2 + 2 if "targets" in sections else 0
     percall_plan = RoundPlan(
@@ -231,6 +234,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "layout": [],
         "async": [],
         "percall": [],
+        "forced": [],
         "thresholds": [],
         "per_call_targets": [],
         "targets_runs": {},
@@ -407,6 +411,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                         advance=progress.advance,
                     ),
                 )
+        if "forced" in sections:
+            from tools.bench.forced import run_forced_section
+
+            progress.describe("forced: replaying the schema workloads' outputs")
+            payload["forced"] = run_forced_section(
+                forced_drafts,
+                forced_batches,
+                plan,
+                seed=args.seed,
+                policy=policy,
+                advance=progress.advance,
+            )
         if "thresholds" in sections:
             from tools.bench.thresholds import run_thresholds_section
 

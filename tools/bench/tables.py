@@ -89,6 +89,20 @@ def print_tables(payload: dict[str, Any], file: Any) -> None:
         out()
         out(report.chains_table(payload["chains"]))
         out()
+    if payload.get("forced"):
+        from tools.bench.forced import forced_table
+
+        out(f"## Forced drafts next to the verify mask's build ({cores} cores)")
+        out()
+        out(
+            "`forced_drafts` on the schema workloads (K drafts at most per request, SmolLM2's "
+            "tokenizer) against the build of the verify mask over the drafts it returned (K + 1 "
+            "rows per request) and vLLM's serial fill of the same rows; medians of interleaved "
+            "rounds, cold caches."
+        )
+        out()
+        out(forced_table(payload["forced"]))
+        out()
     if payload.get("layout"):
         from tools.bench.layouts import layout_apply_table, layout_table
 

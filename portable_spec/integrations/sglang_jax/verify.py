@@ -29,7 +29,7 @@ from portable_spec.integrations.sglang_jax.masks import (
     slot_grammars,
     start_mask,
 )
-from portable_spec.integrations.sglang_jax.state import STATS, SWITCHES, logger
+from portable_spec.integrations.sglang_jax.state import LOG, STATS, SWITCHES
 
 __all__ = ["wrap_resolve", "wrap_sample", "wrap_verify"]
 
@@ -51,7 +51,12 @@ def _start_job(spec_info: Any, model_worker_batch: Any) -> MaskJob | None:
             vocab,
         )
     except Exception as exc:
-        logger.warning("portable_spec: verify mask not started (unmasked step): %s", exc)
+        LOG.warning(
+            f"verify:{type(exc).__name__}",
+            "portable_spec: verify mask not started (this step unmasked, and any other failing "
+            "so): %s",
+            exc,
+        )
         return None
 
 
@@ -102,7 +107,12 @@ def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             committed, requests = _constrained_commits(batch, tokens)
         except Exception as exc:  # never stop the step over a counter
-            logger.warning("portable_spec: accepted tokens not counted this step: %s", exc)
+            LOG.warning(
+                f"resolve:{type(exc).__name__}",
+                "portable_spec: accepted tokens not counted (this step, and any other failing "
+                "so): %s",
+                exc,
+            )
         else:
             if requests:
                 STATS.update({"accepted_tokens": committed, "constrained_verifies": requests})

