@@ -3,7 +3,7 @@ steps), off and on, on the JSON-schema workloads every engine's drafting benchma
 (``portable_spec.testing.SCHEMA_WORKLOADS``: an invoice, a tool call; long fixed keys, enums).
 
 Usage: ``.venv-sglang-jax/bin/python -P scripts/bench-sglang-jax-drafting.py [--tokens N]
-[--rounds R] [--shapes chain tree] [--workloads invoice tool_call]`` (run
+[--rounds R] [--shapes chain tree] [--workloads invoice tool_call] [--no-warmup]`` (run
 ``bash scripts/setup-sglang-jax.sh`` first).
 
 sglang-jax's own engine on JAX CPU, SmolLM2-135M as the target and the random-weight EAGLE-3
@@ -11,10 +11,11 @@ head as the drafter (its own guesses are never right: the only head that can be 
 in-process, without the overlap schedule (sglang-jax's EAGLE-3 path on CPU), the integration
 installed. First a non-speculative engine generates each workload's request (greedy): the
 reference. Then one engine per drafting shape (chains: 3 steps, 4 verify nodes; trees: top-2,
-3 steps, 4 verify nodes) generates each workload's request alone: a warm-up call, then ``R``
-rounds of one call with the drafting masks and one without, interleaved. Printed per shape,
-workload and drafting mode, from the integration's counters (what sglang-jax committed per
-request and verify step) and sglang-jax's outputs:
+3 steps, 4 verify nodes) generates each workload's request alone: a warm-up call (unless
+``--no-warmup``: the token figures are the same, the first call's time then includes
+compiles), then ``R`` rounds of one call with the drafting masks and one without,
+interleaved. Printed per shape, workload and drafting mode, from the integration's counters
+(what sglang-jax committed per request and verify step) and sglang-jax's outputs:
 
 * ``verifies``: the request's verify steps (request-steps after its prefill);
 * ``acc/verify``: tokens committed per verify step, the bonus token included (1.00: only the
@@ -86,20 +87,23 @@ def reference(requests: list[dict], tokens: int) -> list[tuple[list[int], str]]:
     return [(run["ids"][0], run["finish"][0]["type"]) for run in report["runs"]]
 
 
-def speculative(shape: str, requests: list[dict], tokens: int, rounds: int) -> list[dict]:
-    """One EAGLE-3 engine: per request a warm-up call, then ``rounds`` interleaved on/off
-    pairs; the measured calls' runs (each tagged with its request)."""
+def speculative(
+    shape: str, requests: list[dict], tokens: int, rounds: int, warmup: bool = True
+) -> list[dict]:
+    """One EAGLE-3 engine: per request a warm-up call (``warmup``), then ``rounds``
+    interleaved on/off pairs; the measured calls' runs (each tagged with its request)."""
     sys.path.insert(0, TESTS)
     from _engine import eagle3
 
     topk, steps, nodes = SHAPES[shape]
     calls = []
     for i in range(len(requests)):
-        calls.append((True, [i]))
+        if warmup:
+            calls.append((True, [i]))
         calls += [(drafting, [i]) for _ in range(rounds) for drafting in (True, False)]
     config = eagle3(topk, steps, nodes, max_new_tokens=tokens, requests=requests, calls=calls)
     runs = launch_engine(config, f"EAGLE-3 {shape}")["runs"]
-    warm = {1 + i * (1 + 2 * rounds) for i in range(len(requests))}  # 1-based call numbers
+    warm = {1 + i * (1 + 2 * rounds) for i in range(len(requests))} if warmup else set()
     return [run for n, run in enumerate(runs, 1) if n not in warm]
 
 
@@ -120,6 +124,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--workloads", nargs="*", default=list(SCHEMA_WORKLOADS),
                         choices=list(SCHEMA_WORKLOADS))  # fmt: skip
+    parser.add_argument("--no-warmup", action="store_true", help="no warm-up call per request")
     args = parser.parse_args()
     requests = workload_requests(args.workloads)
     greedy = reference(requests, args.tokens)
@@ -127,7 +132,7 @@ def main() -> None:
     print(f"one request per call, max {args.tokens} new tokens, {args.rounds} rounds per mode")
     print(" ".join(f"{name:>{width}}" for name, width in COLUMNS))
     for shape in args.shapes:
-        runs = speculative(shape, requests, args.tokens, args.rounds)
+        runs = speculative(shape, requests, args.tokens, args.rounds, not args.no_warmup)
         for i, name in enumerate(args.workloads):
             figures = {}
             for drafting in (False, True):
