@@ -290,10 +290,16 @@ def _eagle_on_native(module: Any) -> None:
     cls._get_attention_backend = _get_attention_backend
 
 
+#: sglang-jax's idle-time KV check in this process: ``checks`` (how many ran), ``leak`` (the
+#: last one's message, ``None`` when it found every slot accounted for)
+KV_CHECK: dict[str, Any] = {"checks": 0, "leak": None}
+
+
 def _kv_accounting(module: Any) -> None:
-    """sglang-jax's EAGLE-3 path without the overlap schedule leaves one KV slot per finished
-    request allocated (seen with and without grammars, with the integration on or off); its
-    idle-time check then raises and stops the engine. The check's message is logged instead."""
+    """sglang-jax's idle-time check of its KV pools (``Scheduler.check_memory``, which raises
+    and stops the engine when slots are missing) records its outcome in :data:`KV_CHECK` for
+    the tests to assert, and logs a failure instead of stopping the engine (the run then
+    reports it rather than hanging its caller)."""
     cls = module.Scheduler
     original = cls.check_memory
     if getattr(original, "_harness", False):
@@ -301,17 +307,35 @@ def _kv_accounting(module: Any) -> None:
 
     def check_memory(self: Any) -> Any:
         try:
-            return original(self)
+            result = original(self)
         except ValueError as exc:
             if "memory leak" not in str(exc):
                 raise
             import logging
 
-            logging.getLogger("sgl_jax.harness").warning("sglang-jax's KV check: %s", exc)
+            if KV_CHECK["leak"] != str(exc):
+                logging.getLogger("sgl_jax.harness").warning("sglang-jax's KV check: %s", exc)
+            KV_CHECK.update(leak=str(exc), checks=KV_CHECK["checks"] + 1)
             return None
+        KV_CHECK.update(leak=None, checks=KV_CHECK["checks"] + 1)
+        return result
 
     check_memory._harness = True
     cls.check_memory = check_memory
+
+
+def kv_check_after(checks: int, timeout: float = 120.0) -> str | None:
+    """Wait (at most ``timeout`` seconds) for an idle-time KV check after the ``checks``-th
+    (its count read once the requests were done) and return its leak message (``None``: no
+    slot missing). Raises TimeoutError when none ran (the scheduler was never idle)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while KV_CHECK["checks"] <= checks:
+        if time.monotonic() > deadline:
+            raise TimeoutError("sglang-jax's scheduler ran no idle-time KV check")
+        time.sleep(0.01)
+    return KV_CHECK["leak"]
 
 
 _trees: dict[int, tuple] = {}  # batch id -> the verify tree of that step (host arrays)

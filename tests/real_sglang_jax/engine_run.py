@@ -3,10 +3,14 @@
 Usage: ``python engine_run.py OUT.json [CONFIG_JSON]``. ``CONFIG_JSON`` keys: ``engine``
 (extra ``Engine`` arguments: speculative settings, ``enable_single_process``...), ``install``
 (call the integration's ``install()`` in this process: single-process engines), ``drafting``
-(one generate call per entry, grammar-aware drafting on or off), ``timing``,
-``max_new_tokens``, ``cases`` or ``case_indices``. The integration's switch is the environment
+(one generate call of every case per entry, grammar-aware drafting on or off), or ``calls``
+(``[drafting, [case indices]]`` per generate call), ``timing``,
+``max_new_tokens``, ``cases`` or ``case_indices`` (of :data:`CASES`), or ``requests`` (cases of
+its own: ``prompt`` and ``json_schema`` or ``regex``). The integration's switch is the environment
 (``PORTABLE_SPEC_SGLANG_JAX``), as a user sets it. Writes per request the output token ids,
-text and finish reason, and (single-process engines) the integration's counters.
+text and finish reason, and (single-process engines) per call the integration's counters and
+sglang-jax's idle-time KV check once the call's requests are done (``kv_leak``: its message,
+``None`` when every KV slot is free or cached).
 """
 
 from __future__ import annotations
@@ -94,29 +98,34 @@ def main(out_path: str, config: dict) -> None:
     engine = Engine(**kwargs)
     report: dict = {"start_s": time.perf_counter() - started, "runs": []}
     max_new = int(config.get("max_new_tokens", 48))
-    cases = [
+    cases = config.get("requests") or [
         CASES[i] for i in config.get("case_indices", range(int(config.get("cases", len(CASES)))))
     ]
     drafting = config.get("drafting", [True] * int(config.get("repeat", 1)))
-    for draft_masks in drafting:
+    calls = config.get("calls") or [(d, list(range(len(cases)))) for d in drafting]
+    for draft_masks, picked in calls:
         if config.get("install"):
             from portable_spec.integrations import sglang_jax
 
             sglang_jax.reset_stats()
             sglang_jax.set_drafting(bool(draft_masks))
+        batch = [cases[i] for i in picked]
         t0 = time.perf_counter()
         outs = engine.generate(
-            prompt=[c["prompt"] for c in cases],
-            sampling_params=[sampling_params(c, max_new) for c in cases],
+            prompt=[c["prompt"] for c in batch],
+            sampling_params=[sampling_params(c, max_new) for c in batch],
         )
         run = {
             "drafting": bool(draft_masks),
+            "cases": picked,
             "seconds": time.perf_counter() - t0,
             "ids": [o["output_ids"] for o in outs],
             "texts": [o["text"] for o in outs],
             "finish": [o["meta_info"]["finish_reason"] for o in outs],
             "completion_tokens": [o["meta_info"]["completion_tokens"] for o in outs],
         }
+        if kwargs.get("enable_single_process"):  # its scheduler runs in this process
+            run["kv_leak"] = cpu_harness.kv_check_after(cpu_harness.KV_CHECK["checks"])
         if config.get("install"):
             from portable_spec.integrations import sglang_jax
 

@@ -6,6 +6,7 @@ and sglang-jax's own behaviour comes back for that bug alone."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def patched(target: str) -> bool:
 def test_every_fix_names_an_entry_and_every_bug_has_a_patch():
     assert all(p.fixes for p in fixes.FIXES)
     assert not any(p.fixes for p in patches.MASKS)
-    assert len(BUGS) == 5
+    assert len(BUGS) == 6
 
 
 @pytest.mark.parametrize("bug", BUGS)
@@ -138,6 +139,74 @@ def test_without_the_row_fix_rows_without_a_grammar_stay_as_sglang_jax_leaves_th
     unfixed = rows(grammars)
     assert (fixed[1] == -1).all() and not (unfixed[1] == -1).all()
     assert (fixed[0] == unfixed[0]).all()
+
+
+def eagle_radix_cache(slots: int = 96) -> Any:
+    """sglang-jax's prefix cache as its EAGLE engines build it on CPU: bigram keys, pages of one
+    token, over its own request-to-token table and KV slot allocator."""
+    from sgl_jax.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+
+    pool = ReqToTokenPool(size=4, max_context_len=64)
+    allocator = TokenToKVPoolAllocator(slots, kvcache=None)
+    return RadixCache(pool, allocator, page_size=1, is_eagle=True)
+
+
+def run_to_end(cache: Any, prompt: list[int], output: list[int], retract: bool = False) -> None:
+    """One request through sglang-jax's own KV bookkeeping of EAGLE-3 without the overlap
+    schedule: its prompt matched in the prefix cache (and locked), the rest of the prompt's
+    slots allocated, slots allocated ahead for its verify steps, then its end as the scheduler
+    handles it: finished (``kv_committed_len`` = prompt + output - 1, the slots freed or
+    cached by ``release_kv_cache``), or retracted (nothing inserted)."""
+    from sgl_jax.srt.managers.schedule_batch import Req
+    from sgl_jax.srt.mem_cache.common import release_kv_cache
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+    pool, allocator = cache.req_to_token_pool, cache.token_to_kv_pool_allocator
+    req = Req("r", "", list(prompt), SamplingParams(max_new_tokens=64))
+    req.init_next_round_input(cache)
+    cache.inc_lock_ref(req.last_node)
+    pool.alloc([req])
+    row, matched = pool.req_to_token[req.req_pool_idx], len(req.prefix_indices)
+    row[:matched] = req.prefix_indices
+    row[matched : len(prompt)] = allocator.alloc(len(prompt) - matched)
+    req.cache_protected_len = req.last_matched_prefix_len
+    ahead = len(prompt) + len(output) + 3  # the last verify's slots (4 draft tokens)
+    row[len(prompt) : ahead] = allocator.alloc(ahead - len(prompt))
+    req.kv_allocated_len = ahead
+    req.output_ids = list(output)
+    req.kv_committed_len = len(prompt) + (len(output) - 1 if not retract else 0)
+    release_kv_cache(req, cache, is_insert=not retract, allow_overallocated=True)
+
+
+def missing_slots(cache: Any) -> int:
+    """sglang-jax's own idle-time invariant (``Scheduler.check_memory``): slots neither free
+    nor held by the prefix cache."""
+    allocator = cache.token_to_kv_pool_allocator
+    free = allocator.free_slots[0]
+    assert len(np.unique(free)) == len(free)  # no slot freed twice
+    held = cache.evictable_size() + cache.protected_size()
+    return allocator.size_per_rank - allocator.available_size() - held
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_without_the_kv_fix_each_finished_eagle_request_leaves_a_slot(installed_without, fixed):
+    prompt, output = S.encode("A pet, as JSON: "), S.encode('{"pet": "owl"}')
+    if fixed:
+        assert integration.install()
+    else:
+        installed_without(fixes.KV_TAIL_BUG)
+    try:
+        cache = eagle_radix_cache()
+        left = []
+        for other_output, retract in ((output, False), (output, False), (output[:3], True),
+                                      (S.encode('{"pet": "cat"}'), False)):  # fmt: skip
+            run_to_end(cache, prompt, other_output, retract)  # the prompt's prefix is shared
+            left.append(missing_slots(cache))
+    finally:
+        integration.uninstall()
+    assert left == ([0, 0, 0, 0] if fixed else [1, 2, 3, 4])
 
 
 def _prefixes() -> list[list[int]]:

@@ -84,8 +84,14 @@ def test_a_grammar_ending_inside_the_accepted_path_ends_the_request_there(on):
     other = Req(S.grammar("regex", S.encode("20")))
     reqs = [Req(g), free, other]
     before = mask_of(g.ll_matcher)
+    integration.reset_stats()
     tokens, lens = resolve(reqs, [accepted, [5, 6, 7], S.encode("24")], nodes=8)
     assert tokens[0] == [*tail, S.eos()] and lens[0] == len(tail) + 1
+    stats = integration.integration_stats()  # what the two grammar requests commit, no more
+    assert (stats["accepted_tokens"], stats["constrained_verifies"]) == (
+        len(tail) + 1 + len(S.encode("24")),
+        2,
+    )
     assert isinstance(reqs[0].to_finish, FINISH_MATCHED_TOKEN)
     assert tokens[1] == [5, 6, 7] and tokens[2] == S.encode("24")
     assert free.to_finish is None and other.to_finish is None

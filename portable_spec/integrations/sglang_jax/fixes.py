@@ -26,6 +26,7 @@ from portable_spec.integrations.sglang_jax.state import STATS
 
 __all__ = [
     "FIXES",
+    "KV_TAIL",
     "LIST_ACCEPT",
     "LIST_END",
     "OWN_GRAMMARS",
@@ -41,6 +42,7 @@ TREE_BUG = "Trees commit predict's first slots"
 ROWS_BUG = "The non-speculative mask leaves rows zero or stale"
 ORDER_BUG = "The overlap loop runs a step before the grammars see the last one"
 SHARED_BUG = "Requests with one grammar share one grammar object"
+KV_TAIL_BUG = "EAGLE's radix cache never frees a finished request's last KV slot"
 
 
 # -- accept_token(list) ------------------------------------------------------------------------
@@ -193,13 +195,66 @@ def _own_grammars(original: Callable[..., Any]) -> Callable[..., Any]:
     return own_grammar_objects(original, internals.invalid_grammar_object())
 
 
+# -- a finished EAGLE request's last KV slot ---------------------------------------------------
+def _free_kv_tail(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``RadixCache.cache_finished_req``: under EAGLE with pages of one token, the request's
+    last committed KV slot is freed too.
+
+    EAGLE's radix keys are token bigrams, so a request with ``c`` committed KV slots caches
+    (or, on a retract, frees) the first ``c - 1``; the slot at ``c - 1`` has no key. With pages
+    of more than one token sglang-jax frees that tail; with pages of one it neither caches nor
+    frees it, and ``release_kv_cache`` frees only from ``c`` (the over-allocated slots): one
+    slot per finished request stays allocated, and sglang-jax's idle-time check then stops the
+    engine ("token_to_kv_pool_allocator memory leak detected").
+    """
+
+    def cache_finished_req(self: Any, req: Any, is_insert: bool = True) -> Any:
+        tail = _unkeyed_slot(self, req)
+        result = original(self, req, is_insert)
+        if tail is not None:
+            dp_rank = req.dp_rank if req.dp_rank is not None else 0
+            self.token_to_kv_pool_allocator.free(tail, dp_rank=dp_rank)
+        return result
+
+    return cache_finished_req
+
+
+def _unkeyed_slot(cache: Any, req: Any) -> np.ndarray | None:
+    """The KV slot sglang-jax's ``cache_finished_req`` will leave behind for ``req`` (one
+    entry), or ``None`` when it leaves none: not EAGLE, pages of more than one token, the cache
+    disabled (it frees every committed slot), nothing committed or already released, or the
+    slot one the tree owns (inside the request's matched prefix)."""
+    if not getattr(cache, "is_eagle", False) or cache.page_size != 1 or cache.disable:
+        return None
+    if req.req_pool_idx is None or getattr(req, "kv_committed_freed", False):
+        return None
+    committed = int(req.kv_committed_len)
+    owned_from = int(req.cache_protected_len)  # the tree's slots come first
+    if owned_from > req.last_matched_prefix_len:  # EAGLE chunked prefill: one slot is the
+        owned_from -= 1  # request's (sglang-jax's own adjustment)
+    if committed < 1 or committed - 1 < owned_from:
+        return None
+    slot = cache.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1 : committed]
+    slot = np.array(slot, copy=True)
+    return slot if slot.size == 1 and slot[0] != 0 else None  # 0: never assigned
+
+
 LIST_ACCEPT = Patch(internals.ACCEPT, _accept_list, fixes=ACCEPT_LIST_BUG)
 LIST_END = Patch(internals.RESOLVE, _end_at_grammar_end, fixes=ACCEPT_LIST_BUG)
 TREE_PATH = Patch(internals.SAMPLE, _commit_path, fixes=TREE_BUG)
 ROW_DEFAULTS = Patch(internals.BATCH_MASK, _row_defaults, fixes=ROWS_BUG)
 RUN_ORDER = Patch(internals.RUN_BATCH, _run_in_order, fixes=ORDER_BUG)
 OWN_GRAMMARS = Patch(internals.GRAMMAR_CACHE, _own_grammars, fixes=SHARED_BUG)
+KV_TAIL = Patch(internals.RADIX_FINISH, _free_kv_tail, fixes=KV_TAIL_BUG)
 
 #: Every fix, in the order of docs/sglang-jax-upstream.md (installed before the mask patches:
 #: on a function both patch, the mask work wraps sglang-jax's function as fixed).
-FIXES: tuple[Patch, ...] = (LIST_ACCEPT, LIST_END, TREE_PATH, ROW_DEFAULTS, RUN_ORDER, OWN_GRAMMARS)
+FIXES: tuple[Patch, ...] = (
+    LIST_ACCEPT,
+    LIST_END,
+    TREE_PATH,
+    ROW_DEFAULTS,
+    RUN_ORDER,
+    OWN_GRAMMARS,
+    KV_TAIL,
+)

@@ -77,6 +77,7 @@ RUN_BATCH = "sgl_jax.srt.managers.scheduler:Scheduler.run_batch"
 GRAMMAR_CACHE = (
     "sgl_jax.srt.constrained.base_grammar_backend:BaseGrammarBackend.get_cached_or_future_value"
 )
+RADIX_FINISH = "sgl_jax.srt.mem_cache.radix_cache:RadixCache.cache_finished_req"
 
 #: every function the integration replaces (the mask work's and the fixes')
 TARGETS = (
@@ -95,6 +96,7 @@ TARGETS = (
     BATCH_MASK,
     RUN_BATCH,
     GRAMMAR_CACHE,
+    RADIX_FINISH,
 )
 #: what the integration only reads or calls, recognised by source hash: none yet (the calls
 #: below go to functions the replaced ones call themselves)
@@ -122,6 +124,7 @@ REVISIONS: dict[str, Revision] = {
             BATCH_MASK: "f963ef18e10c8ee8dd9a799ce37bf5bbeaf681d16b23505e9676ed2ba33bcf93",
             RUN_BATCH: "6b98849c88691ce1638cccafe764f201bdcbc4f04255182214297b8575031d46",
             GRAMMAR_CACHE: "565b795a95b324bb81ed94b60a3b2be83b2389f86db0b191b5b4730c7c0edd31",
+            RADIX_FINISH: "a9ea7adbedd892e1c4adc052134324f4d8f4de1b3fb20a750290a686def03e32",
         },
     ),
 }

@@ -24,6 +24,7 @@ def _drafting() -> bool:
 MASKS: tuple[Patch, ...] = (
     Patch(internals.VERIFY, verify.wrap_verify),
     Patch(internals.SAMPLE, verify.wrap_sample),
+    Patch(internals.RESOLVE, verify.wrap_resolve),
     Patch(internals.TOPK, draft.wrap_topk),
     Patch(internals.SELECT, draft.wrap_select),
     Patch(internals.DRAFT, lambda own: draft.wrap_draft_forward(own, _drafting)),

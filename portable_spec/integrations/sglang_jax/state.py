@@ -40,8 +40,9 @@ DRAFTING_ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX_DRAFTING"
 #: ``masked_steps`` and ``masked_rows`` (steps and mask rows built, the overlap schedule's
 #: fused steps included), ``refused_requests`` (requests left unmasked for a step),
 #: ``grammar_ends`` (requests whose grammar ended inside a step's accepted path),
-#: ``accepted_tokens`` and ``constrained_verifies`` (tokens committed per constrained request
-#: and step, bonus included), ``fused_steps`` (fused verify steps with a grammar request).
+#: ``accepted_tokens`` and ``constrained_verifies`` (the tokens sglang-jax commits per request
+#: with an active grammar and step, bonus included, none past a grammar's end; both
+#: schedules), ``fused_steps`` (fused verify steps with a grammar request).
 COUNTERS = (
     "verify_steps",
     "grammar_steps",

@@ -6,7 +6,8 @@
   on the library's background thread while the forward runs;
 * ``EagleVerifyInput.sample``: the mask is applied to the verify logits before greedy
   verification or rejection sampling (requests without a grammar keep their logits); called
-  on its own, ``sample`` stages and builds the mask itself.
+  on its own, ``sample`` stages and builds the mask itself;
+* ``resolve_spec_decode_token_ids``: the tokens each constrained request commits are counted.
 
 Bad input never crashes a step: a grammar the library refuses, or a tree it finds malformed,
 leaves that request on sglang-jax's own (unmasked) verify for the step, with one log line;
@@ -20,18 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from portable_spec.integrations.sglang_jax.masks import (
     JOB_ATTR,
     MaskJob,
+    active_matcher,
     apply_mask,
     slot_grammars,
     start_mask,
 )
 from portable_spec.integrations.sglang_jax.state import LOG, STATS, SWITCHES
 
-__all__ = ["wrap_sample", "wrap_verify"]
+__all__ = ["wrap_resolve", "wrap_sample", "wrap_verify"]
 
 
 def _start_job(spec_info: Any, model_worker_batch: Any) -> MaskJob | None:
@@ -90,18 +90,52 @@ def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         if job is not None:
             _mask_logits(job, logits_output)
         out = original(self, model_worker_batch, logits_output, rng, mesh)
-        if job is None:
-            STATS.add("verify_steps")
-            return out
-        lengths = np.asarray(out[2])  # accept_length
-        live = [b for b, m in enumerate(job.grammars) if m is not None and b < len(lengths)]
-        accepted = int(lengths[live].sum()) if live else 0
-        STATS.update(
-            {"verify_steps": 1, "accepted_tokens": accepted, "constrained_verifies": len(live)}
-        )
+        STATS.add("verify_steps")
         return out
 
     return sample
+
+
+def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``resolve_spec_decode_token_ids``: counts what each request with an active grammar
+    commits in the step (``accepted_tokens``, bonus included, per ``constrained_verifies``):
+    the tokens sglang-jax appends to the request's output, after the fixes (tokens past a
+    grammar's end are not committed, so not counted). Both schedules resolve here."""
+
+    def resolve_spec_decode_token_ids(result: Any, batch: Any, draft_token_num: int) -> Any:
+        tokens, accept_lens = original(result, batch, draft_token_num)
+        try:
+            committed, requests = _constrained_commits(batch, tokens)
+        except Exception as exc:  # never stop the step over a counter
+            LOG.warning(
+                f"resolve:{type(exc).__name__}",
+                "portable_spec: accepted tokens not counted (this step, and any other failing "
+                "so): %s",
+                exc,
+            )
+        else:
+            if requests:
+                STATS.update({"accepted_tokens": committed, "constrained_verifies": requests})
+        return tokens, accept_lens
+
+    return resolve_spec_decode_token_ids
+
+
+def _constrained_commits(batch: Any, tokens: Any) -> tuple[int, int]:
+    """(tokens committed, requests) over the step's live requests with an active grammar;
+    ``tokens`` is what the resolve step returned (per padded slot)."""
+    per_dp = batch.per_dp_bs_size
+    committed = requests = 0
+    for dp_rank, info in enumerate(batch.reqs_info):
+        for j, req in enumerate(info.reqs or []):
+            i = dp_rank * per_dp + j
+            if i >= len(tokens) or req.finished() or getattr(req, "is_retracted", False):
+                continue  # what sglang-jax's own step skips
+            if active_matcher(getattr(req, "grammar", None)) is None:
+                continue
+            committed += len(tokens[i])
+            requests += 1
+    return committed, requests
 
 
 def _mask_logits(job: MaskJob, logits_output: Any) -> None:
