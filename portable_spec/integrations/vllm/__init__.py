@@ -27,7 +27,9 @@ The package, a file per job:
   the unwritten rows of the strided layout), which every path writes by;
 * ``xgrammar.py``, ``guidance.py``: the common step of each backend in one compiled call;
 * ``checked.py``: any other step, through the library's general build;
-* ``bitmask.py``: the replacement method, shadow mode, the counters.
+* ``bitmask.py``: the replacement method, shadow mode, the counters;
+* ``drafts.py``: forced drafts (the scheduler's drafts extended by what the grammar forces;
+  ``PORTABLE_SPEC_FORCED_DRAFTS=0`` turns them off).
 
 A vLLM release whose source differs from every known one in anything the plugin replaces or
 reads is not patched: one warning, then vLLM's own fill.
@@ -39,7 +41,7 @@ import os
 import warnings
 from typing import Any
 
-from portable_spec.integrations.vllm import internals
+from portable_spec.integrations.vllm import drafts, internals
 from portable_spec.integrations.vllm.bitmask import (
     LOG_EVERY_ENV_VAR,
     STATS,
@@ -61,6 +63,15 @@ __all__ = [
 ]
 
 ENV_VAR = "PORTABLE_SPEC_VLLM"
+FORCED_ENV_VAR = drafts.ENV_VAR
+#: the forced drafts' counters in :func:`integration_stats`
+FORCED_COUNTERS = (
+    "forced_steps",
+    "forced_drafted",
+    "forced_accepted",
+    "forced_would_draft",
+    "forced_refused_steps",
+)
 THREADS_ENV_VAR = "PORTABLE_SPEC_NUM_THREADS"  # the library's; the plugin's default is 1
 #: the row layout of each vLLM release the plugin knows
 LAYOUTS = internals.LAYOUTS
@@ -83,6 +94,10 @@ def install(mode: str = "on") -> bool:
     Active.mode = mode
     if not _patches.install():
         return False
+    if drafts.enabled():
+        drafts.install(mode)
+    else:
+        drafts.uninstall()
     if Active.layout is None:
         Active.layout = LAYOUTS[_patches.revision or ""]
         if THREADS_ENV_VAR not in os.environ:
@@ -97,6 +112,7 @@ def install(mode: str = "on") -> bool:
 def uninstall() -> None:
     """Give vLLM its own ``grammar_bitmask`` back (in this process)."""
     Active.layout = None
+    drafts.uninstall()
     _patches.uninstall()
 
 
@@ -113,15 +129,25 @@ def integration_stats() -> dict[str, Any]:
     ``rows_differing`` (shadow mode), ``median_us`` and ``samples``: ``{build: {batch: median
     µs or count}}`` for ``build`` in ``"portable_spec"`` and ``"vllm"`` (vLLM's own fill:
     shadow mode only), ``batch`` being the number of structured requests in the call (the last
-    4096 calls per batch size). Never blocks on the engine.
+    4096 calls per batch size). Forced drafts (:mod:`.drafts`): ``forced_steps``,
+    ``forced_drafted`` (forced tokens scheduled), ``forced_accepted`` (of those, accepted by
+    the model), ``forced_would_draft`` (shadow mode), ``forced_refused_steps``, and their
+    per-call times under ``median_us["forced_drafts"]`` (by requests extended). Never blocks
+    on the engine.
     """
-    return STATS.snapshot()
+    snap = STATS.snapshot()
+    forced = drafts.STATS.snapshot()
+    snap.update({name: forced[name] for name in FORCED_COUNTERS})
+    snap["median_us"]["forced_drafts"] = forced["median_us"]["forced_drafts"]
+    snap["samples"]["forced_drafts"] = forced["samples"]["forced_drafts"]
+    return snap
 
 
 def reset_stats() -> None:
     """Forget every counter and timing of this process; the once-per-process warnings may be
     logged again."""
     STATS.reset()
+    drafts.reset()
     reset_warnings()
     _patches.reset_warning()
 

@@ -270,7 +270,186 @@ def bitmask_setup(manager: Any) -> tuple[Any, np.ndarray, int, bool] | str:
     return tensor, tensor.numpy(), k, guidance
 
 
-if __name__ == "__main__":  # the row of REVISIONS this process's vLLM would need
+# -- forced drafts (drafts.py): the scheduler's drafts ---------------------------------------
+# Drafts reach the scheduler after the drafter ran (sync scheduling): update_draft_token_ids
+# cuts each structured request's drafts to its grammar-valid prefix (validate_tokens) and keeps
+# them for the next step's forward. The plugin wraps it (vLLM's own runs first) and
+# update_from_output (to count the forced tokens the model accepted); it relies on the
+# request's fields, the manager's validation and reasoning bounds, and on
+# update_draft_token_ids_in_output (async scheduling) staying as it is: it is left alone.
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+#: wrapped: vLLM's drafts, then the forced continuation
+UPDATE_DRAFTS = f"{_SCHEDULER}.update_draft_token_ids"
+#: wrapped: the forced tokens the model accepted are counted before vLLM's own runs
+UPDATE_FROM_OUTPUT = f"{_SCHEDULER}.update_from_output"
+_DRAFTS_IN_OUTPUT = f"{_SCHEDULER}.update_draft_token_ids_in_output"
+_VALIDATE = f"{_MANAGER}.validate_tokens"
+_REQUEST_STATE = "vllm.v1.request:Request"
+#: relied on, never replaced
+DRAFT_READS = (
+    _DRAFTS_IN_OUTPUT,
+    _VALIDATE,
+    _REASONER,
+    _BOUNDS,
+    _REQUEST,
+    _REQUEST_STATE,
+    _XGRAMMAR,
+    _GUIDANCE,
+    _OUTLINES,
+)
+DRAFT_REVISIONS: dict[str, Revision] = {
+    "0.32": Revision(
+        "0.32",
+        {
+            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
+            UPDATE_FROM_OUTPUT: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
+            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
+            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
+            _REASONER: "4d5565cfec862520656de40759c71996d4152ad2f8068db33871c70e56da57fa",
+            _BOUNDS: "0a5938e1b801ab0d9a53728c390c9c5e51677df0b11cc7f0bc69d49245f154b9",
+            _REQUEST: "f2010f8fe0fa04661e20a29e54e53db776d00d253114fee43507c60828821987",
+            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
+            _XGRAMMAR: "14206746d6f5b6f2bad6ac3486bc217a6b29eaccb0686e4e606e1884eb91429d",
+            _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
+            _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
+        },
+    ),
+}
+
+
+def draft_patch_set(
+    make_update: Callable[[Any], Any], make_output: Callable[[Any], Any]
+) -> PatchSet:
+    """The forced drafts' patch set: the scheduler's ``update_draft_token_ids`` and
+    ``update_from_output`` wrapped, :data:`DRAFT_READS` recognised (its own release table:
+    a vLLM it does not know keeps its own drafts, the bitmask patch unaffected)."""
+    return PatchSet(
+        ENGINE,
+        patches=[
+            Patch(UPDATE_DRAFTS, make_update),
+            Patch(UPDATE_FROM_OUTPUT, make_output),
+            *(Patch(target) for target in DRAFT_READS),
+        ],
+        revisions=DRAFT_REVISIONS,
+        version=lambda: version(),
+        logger=logger,
+    )
+
+
+#: speculative methods whose drafts the model runner verifies without draft probabilities
+#: and from the scheduler's lists (sync scheduling): the plugin may extend them
+NO_PROBABILITY_METHODS = frozenset({"ngram", "suffix"})
+#: model drafters: without probabilities only when they draft greedily
+MODEL_DRAFTERS = frozenset(
+    {"eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator", "dflash", "dspark"}
+)
+
+
+def forced_drafts_rule(config: Any) -> str:
+    """Why vLLM's drafts must stay exactly its own under ``config`` (a ``VllmConfig``), or ""
+    when the plugin may extend them: synchronous scheduling (the scheduler's lists are the
+    forward's input), standard rejection sampling, and a drafter whose drafts carry no
+    probabilities (:data:`NO_PROBABILITY_METHODS`, or a model drafter drafting greedily)."""
+    spec = config.speculative_config
+    if spec is None or not int(config.num_speculative_tokens or 0):
+        return "no speculative decoding"
+    if config.scheduler_config.async_scheduling:
+        return "async scheduling (the worker's drafts are already in the forward)"
+    if getattr(spec, "rejection_sample_method", "standard") != "standard":
+        return f"rejection sampling {spec.rejection_sample_method!r}"
+    method = str(spec.method)
+    if method in NO_PROBABILITY_METHODS:
+        return ""
+    if method in MODEL_DRAFTERS and getattr(spec, "draft_sample_method", "greedy") == "greedy":
+        return ""
+    if method in MODEL_DRAFTERS:
+        return f"{method} drafts with probabilities (draft_sample_method='probabilistic')"
+    return f"speculative method {method!r}"
+
+
+def scheduler_manager(scheduler: Any) -> Any:
+    """The scheduler's ``StructuredOutputManager``."""
+    return scheduler.structured_output_manager
+
+
+def manager_tokenizer(manager: Any) -> Any:
+    """The tokenizer vLLM's structured outputs use (the model's)."""
+    return manager.tokenizer
+
+
+def draft_budget(scheduler: Any, request: Any, k: int) -> int:
+    """The most drafts worth scheduling for ``request``: ``k``, one less than the output tokens
+    it may still write (the step writes a bonus token after them), and room in the model's
+    context."""
+    left = int(request.max_tokens) - int(request.num_output_tokens) - 1
+    room = int(scheduler.max_model_len) - int(request.num_tokens) - 1
+    return max(0, min(k, left, room))
+
+
+def draft_request(scheduler: Any, request_id: str) -> Any | None:
+    """A running structured-output request that takes drafts this step (not finished, not a
+    prefill chunk), else None."""
+    request = scheduler.requests.get(request_id)
+    if request is None or request.is_finished() or request.is_prefill_chunk:
+        return None
+    if not request.use_structured_output:
+        return None
+    return request
+
+
+def spec_tokens(request: Any) -> list[int]:
+    """The drafts vLLM keeps for a request's next step."""
+    return request.spec_token_ids  # type: ignore[no-any-return]
+
+
+def set_spec_tokens(request: Any, tokens: list[int]) -> None:
+    request.spec_token_ids = tokens
+
+
+def output_tokens(request: Any) -> Any:
+    """A request's committed output token ids (vLLM's read-only list view)."""
+    return request.output_token_ids
+
+
+def all_tokens(request: Any) -> Any:
+    """A request's prompt and committed output token ids (vLLM's read-only list view)."""
+    return request.all_token_ids
+
+
+def grammar_key(request: Any) -> Any:
+    """What identifies a request's grammar: its ``(kind, spec)`` structured-output key."""
+    return request.structured_output_request.structured_output_key
+
+
+def live_request_ids(scheduler: Any) -> Any:
+    """The ids of the requests the scheduler holds."""
+    return scheduler.requests.keys()
+
+
+def draft_ids(draft_token_ids: Any) -> list[str]:
+    """The request ids of a ``DraftTokenIds``."""
+    return list(draft_token_ids.req_ids)
+
+
+def step_acceptance(scheduler_output: Any, model_runner_output: Any) -> dict[str, tuple[list, int]]:
+    """Per request with drafts this step: ``(its scheduled drafts, how many the model
+    accepted)`` (sync scheduling: the sampled tokens are host lists)."""
+    out: dict[str, tuple[list, int]] = {}
+    sampled = model_runner_output.sampled_token_ids
+    index = model_runner_output.req_id_to_index
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        i = index.get(req_id)
+        if i is None or not isinstance(sampled, list) or i >= len(sampled):
+            continue
+        out[req_id] = (drafts, max(len(sampled[i]) - 1, 0))
+    return out
+
+
+if __name__ == "__main__":  # the rows of the release tables this process's vLLM would need
     print(f"vLLM {version()}")
     for target, digest in patch_set(lambda original: original).sources().items():
+        print(f"    {target}: {digest!r},")
+    print("forced drafts:")
+    keep = lambda original: original  # noqa: E731
+    for target, digest in draft_patch_set(keep, keep).sources().items():
         print(f"    {target}: {digest!r},")
