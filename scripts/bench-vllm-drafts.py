@@ -11,7 +11,11 @@ One engine per K. Each round runs every workload under the three modes in a rand
 
 * ``off``: vLLM alone (``PORTABLE_SPEC_VLLM`` unset);
 * ``masks``: the plugin builds the masks, vLLM's drafts (``PORTABLE_SPEC_FORCED_DRAFTS=0``);
-* ``forced``: the plugin on, forced drafts on.
+* ``forced``: the plugin on, forced drafts on, cold: what the model wrote at forced texts is
+  forgotten before the call (``forced-only``, ``forced+writings``, ``forced+lookup``: parts
+  of it, see ``VARIANTS``);
+* ``forced-warm``: the same after an untimed call of the same workload on other prompts (a
+  server that has seen the schema before).
 
 Workloads: ``invoice`` and ``tool_call`` (``portable_spec.testing.SCHEMA_WORKLOADS``: the JSON
 schemas and prompts of every engine's drafting tables), ``free`` (no constraint) and
@@ -30,7 +34,9 @@ import os
 import random
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -49,6 +55,7 @@ VARIANTS = {
     "forced+writings": {"PORTABLE_SPEC_FORCED_WRITINGS": "1", "PORTABLE_SPEC_FORCED_LOOKUP": "0"},
     "forced+lookup": {"PORTABLE_SPEC_FORCED_WRITINGS": "0", "PORTABLE_SPEC_FORCED_LOOKUP": "1"},
     "forced": {"PORTABLE_SPEC_FORCED_WRITINGS": "1", "PORTABLE_SPEC_FORCED_LOOKUP": "1"},
+    "forced-warm": {"PORTABLE_SPEC_FORCED_WRITINGS": "1", "PORTABLE_SPEC_FORCED_LOOKUP": "1"},
 }
 DATES = r"20[0-9]{2}-[01][0-9]-[0-3][0-9](, 20[0-9]{2}-[01][0-9]-[0-3][0-9]){3}"
 FREE_PROMPT = "Write a short paragraph about the history of the bicycle."
@@ -60,7 +67,7 @@ def workloads(names: list[str]) -> dict[str, tuple[str, dict | None, int]]:
     from portable_spec.testing import SCHEMA_WORKLOADS
 
     every = {
-        name: (prompt, {"json": schema}, 256) for name, (schema, prompt) in SCHEMA_WORKLOADS.items()
+        name: (prompt, {"json": schema}, 384) for name, (schema, prompt) in SCHEMA_WORKLOADS.items()
     }
     every["free"] = (FREE_PROMPT, None, 96)
     every["regex"] = (REGEX_PROMPT, {"regex": DATES}, 64)
@@ -153,6 +160,12 @@ def run_k(k: int, args: argparse.Namespace, rng: random.Random) -> dict:
             )
             prompts = [f"Request {i}. {prompt}" for i in range(args.requests)]
             set_mode(plugin, mode)
+            from portable_spec.integrations.vllm import drafts
+
+            drafts.forget_writings()  # every call starts cold; -warm: after an untimed call
+            if mode == "forced-warm":
+                earlier = [f"Earlier request {i}. {prompt}" for i in range(args.requests)]
+                llm.generate(earlier, [params] * len(earlier), use_tqdm=False)
             plugin.reset_stats()
             stats0 = _spec_counts(llm)
             counter.steps = counter.tokens = 0
@@ -219,7 +232,20 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     load = os.getloadavg()[0]
-    tables = {k: run_k(k, args, rng) for k in args.k}
+    if len(args.k) > 1:  # vLLM's CPU platform starts one engine per process: one K each
+        tables = {}
+        for k in args.k:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "k.json")
+                cmd = [sys.executable, __file__, "--k", str(k), "--json", out]
+                cmd += ["--requests", str(args.requests), "--rounds", str(args.rounds)]
+                cmd += ["--seed", str(args.seed), "--workloads", *args.workloads]
+                cmd += ["--modes", *args.modes]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    tables[k] = json.load(f)[str(k)]
+    else:
+        tables = {k: run_k(k, args, rng) for k in args.k}
     print(
         f"vLLM {_version()} n-gram speculation, {args.requests} greedy requests per call, "
         f"medians of {args.rounds} interleaved rounds; load average {load:.1f} at start, "

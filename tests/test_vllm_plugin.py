@@ -88,7 +88,8 @@ def test_the_counters_shape():
     assert {k: snap[k] for k in ("calls", "built", "fallback_steps")} == dict.fromkeys(
         ("calls", "built", "fallback_steps"), 0
     )
-    assert snap["median_us"] == {"portable_spec": {}, "vllm": {}}
+    assert snap["median_us"] == {"portable_spec": {}, "vllm": {}, "forced_drafts": {}}
+    assert snap["forced_drafted"] == snap["forced_accepted"] == 0
     with pytest.deprecated_call():
         assert vllm.plugin_stats() == snap
     tpu_inference.reset_stats()

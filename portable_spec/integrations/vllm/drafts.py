@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,15 @@ from typing import Any
 from portable_spec.integrations.patching import LogOnce, Stats
 from portable_spec.integrations.vllm import internals
 
-__all__ = ["ENV_VAR", "STATS", "enabled", "install", "is_installed", "uninstall"]
+__all__ = [
+    "ENV_VAR",
+    "STATS",
+    "enabled",
+    "forget_writings",
+    "install",
+    "is_installed",
+    "uninstall",
+]
 
 ENV_VAR = "PORTABLE_SPEC_FORCED_DRAFTS"
 WRITINGS_ENV_VAR = "PORTABLE_SPEC_FORCED_WRITINGS"
@@ -145,6 +154,7 @@ class _SchedulerState:
     (request id -> how many of them were vLLM's); what the model wrote at forced texts."""
 
     __slots__ = (
+        "__weakref__",
         "k",
         "keys",
         "lookups",
@@ -182,12 +192,23 @@ class _SchedulerState:
             )
 
 
+_states: weakref.WeakSet[_SchedulerState] = weakref.WeakSet()
+
+
 def _state(scheduler: Any) -> _SchedulerState:
     state = getattr(scheduler, _STATE, None)
     if state is None:
         state = _SchedulerState(scheduler)
         setattr(scheduler, _STATE, state)
+        _states.add(state)
     return state
+
+
+def forget_writings() -> None:
+    """Forget what the model wrote at forced texts, in every scheduler of this process (the
+    next requests start cold)."""
+    for state in list(_states):
+        state.writings = Writings(state.k)
 
 
 def extend_drafts(scheduler: Any, draft_token_ids: Any, state: _SchedulerState) -> None:
