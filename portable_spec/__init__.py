@@ -31,7 +31,7 @@ from portable_spec.chains import build_chain_bitmask
 from portable_spec.drafting import DraftSession, forced_drafts
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import GrammarMatcherLike
-from portable_spec.masks import CompactMask
+from portable_spec.masks import MAX_VOCAB_SIZE, CompactMask
 from portable_spec.pending import PendingMask
 from portable_spec.pool import get_num_threads, set_num_threads
 from portable_spec.registry import available_backends, get_backend, register_backend
@@ -41,6 +41,7 @@ from portable_spec.tree import GrammarTree
 __version__ = "0.1.0"
 
 __all__ = [
+    "MAX_VOCAB_SIZE",
     "CompactMask",
     "DraftSession",
     "GrammarMatcherLike",

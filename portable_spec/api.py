@@ -22,6 +22,7 @@ from portable_spec.delivery import (
 from portable_spec.hostbuffers import HostBuffer
 from portable_spec.masks import (
     CompactMask,
+    check_flag,
     check_layout,
     check_vocab_size,
     compact_views,
@@ -56,7 +57,8 @@ def build_grammar_vocab_mask(
             :func:`build_host_bitmask`.
         tree: the batch's verify trees; its backend (the framework of the arrays it was
             staged from) receives the mask unless ``device`` names another framework.
-        vocab_size: the model's vocabulary size (the logits' width).
+        vocab_size: the model's vocabulary size (the logits' width), at most
+            :data:`portable_spec.MAX_VOCAB_SIZE`.
         device: where the mask goes: a framework device or placement object (a
             ``torch.device``, a ``jax.Device`` or ``jax.sharding.Sharding``), a device string
             understood by the tree's framework (JAX: one of this process's devices), or
@@ -124,6 +126,7 @@ def build_grammar_vocab_mask(
         raise TypeError(f"tree must be a portable_spec.GrammarTree, got {type(tree).__name__}")
     if not isinstance(wait, bool):
         raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
+    check_flag("return_valid", return_valid)
     backend, placement = resolve_target(device, default=(tree.backend, tree.device))
     words = words_for(check_vocab_size(vocab_size))
     max_rows = check_layout(layout, max_rows)

@@ -134,7 +134,8 @@ class Backend(ABC):
         """
         raise TypeError(
             f"{type(array).__name__} from backend {self.name!r} is not a host array; "
-            "use GrammarTree.from_device for arrays on an accelerator"
+            "use GrammarTree.from_device for a framework's device arrays (JAX arrays on the "
+            "CPU included)"
         )
 
     # -- mask layout ---------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def build_chain_bitmask(
         drafts: ``[batch]`` sequences of int token ids (lists, tuples or 1-D integer arrays;
             or one 2-D integer array ``[batch, K]``). A draft outside ``[0, vocab_size)`` is
             refused like any draft the grammar refuses.
-        vocab_size: the model's vocabulary size (the logits' width).
+        vocab_size: the model's vocabulary size (the logits' width), at most
+            :data:`portable_spec.MAX_VOCAB_SIZE`.
         rows_per_request: ``None`` (packed: request ``b``'s rows follow request ``b - 1``'s,
             ``1 + len(drafts[b])`` each, no padding) or ``R``: request ``b``'s rows are
             ``b * R`` to ``b * R + R - 1``, its chain first, then all-allowed rows that no

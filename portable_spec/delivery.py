@@ -110,6 +110,8 @@ def check_capacity(row_capacity: Any, rows: int) -> int:
     """``row_capacity`` as an int of at least ``rows``; ``TypeError``/``ValueError`` otherwise."""
     if isinstance(row_capacity, bool) or not isinstance(row_capacity, Integral):
         raise TypeError(f"row_capacity must be an int, got {type(row_capacity).__name__}")
+    if row_capacity < 1:
+        raise ValueError(f"row_capacity must be positive, got {row_capacity}")
     if row_capacity < rows:
         raise ValueError(
             f"row_capacity = {row_capacity} is smaller than the mask's {rows} rows (batch * nodes)"

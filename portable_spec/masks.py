@@ -37,10 +37,12 @@ import numpy as np
 __all__ = [
     "ALL_ALLOWED",
     "LAYOUTS",
+    "MAX_VOCAB_SIZE",
     "CompactMask",
     "apply_columns",
     "check_compact_out",
     "check_dense_out",
+    "check_flag",
     "check_layout",
     "check_vocab_size",
     "compact_views",
@@ -55,6 +57,12 @@ ALL_ALLOWED = -1
 #: mask layouts: one row per node, or only the rows that constrain something (CompactMask)
 LAYOUTS = ("dense", "compact")
 
+#: the largest ``vocab_size`` a build takes: 2**21 = 2,097,152 tokens, eight times the largest
+#: vocabularies of released models (262,144 tokens, Gemma 3's), padded logits included; a mask
+#: row of it is 256 KiB. A larger ``vocab_size`` is a mistake (a byte count, an unset field)
+#: that would otherwise allocate gigabytes before failing: ``ValueError`` naming this limit.
+MAX_VOCAB_SIZE = 1 << 21
+
 
 def words_for(vocab_size: int) -> int:
     """Number of int32 words in one bitmask row covering ``vocab_size`` tokens."""
@@ -62,15 +70,28 @@ def words_for(vocab_size: int) -> int:
 
 
 def check_vocab_size(vocab_size: Any) -> int:
-    """Validate ``vocab_size`` (a positive int, numpy ints included) and return it as int."""
-    if type(vocab_size) is int and vocab_size > 0:  # the common case, without an ABC check
+    """Validate ``vocab_size`` (a positive int, numpy ints included, at most
+    :data:`MAX_VOCAB_SIZE`) and return it as int."""
+    if type(vocab_size) is int and 0 < vocab_size <= MAX_VOCAB_SIZE:  # the common case
         return vocab_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     vocab_size = int(vocab_size)
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size = {vocab_size} is past portable_spec.MAX_VOCAB_SIZE = {MAX_VOCAB_SIZE}"
+            " (real vocabularies have up to about 262k tokens): pass the model's logits width"
+        )
     return vocab_size
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``True`` or ``False``), else ``TypeError`` naming ``name``."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_layout(layout: Any, max_rows: Any) -> int | None:

@@ -117,7 +117,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 def _load() -> ModuleType | None:
@@ -453,23 +453,23 @@ def chain_live(
     tokens: np.ndarray,
     usable: np.ndarray,
     ended: np.ndarray,
+    ends: np.ndarray,
     sentinel: tuple[int, int],
-    most: int,
 ) -> tuple[list[int], list[tuple[int, int, bool, bool]]] | None:
     """After llguidance's executor wrote chains into ``target`` (int32 ``[rows, width]``;
     request ``k``'s nodes are ``target`` rows ``rows[k]``, int64 ``[count, nodes]``, its
     drafts int64 ``tokens[k]``, ``[count, nodes - 1]``): per request how many leading drafts
     its parents' rows allow (at most ``usable[k]``, int64 ``[count]``), and in order the
-    ``(request, draft, intact, sparse)`` of each such draft whose own row still holds both
-    ``sentinel`` words or allows its own token with at most ``most`` nonzero words (none for
-    ``ended`` requests, bool ``[count]``): the caller decides those on a fork. ``None``
-    without the compiled helper (the caller's numpy pass answers). Holds the GIL (it makes
-    the list of checks); every index is bounded where it is read."""
+    ``(request, draft, intact, end)`` of each such draft whose own row still holds both
+    ``sentinel`` words or which ``ends`` flags (bool ``[count, nodes - 1]``: an end token),
+    none for ``ended`` requests (bool ``[count]``): the caller decides those on a fork.
+    ``None`` without the compiled helper (the caller's numpy pass answers). Holds the GIL (it
+    makes the list of checks); every index is bounded where it is read."""
     helper = native
     if helper is None:
         return None
     return helper.chain_live(  # type: ignore[no-any-return]
-        target, rows, tokens, usable, ended, sentinel[0], sentinel[1], most
+        target, rows, tokens, usable, ended, ends, sentinel[0], sentinel[1]
     )
 
 

@@ -232,10 +232,14 @@ class GrammarTree:
         """Wrap tree arrays that already live on the host (numpy arrays, lists, CPU tensors).
 
         Same array conventions as :meth:`from_device`. Never blocks; a device array raises
-        ``TypeError`` (use :meth:`from_device` for those).
+        ``TypeError`` (use :meth:`from_device` for those). The tree's backend is that of the
+        arrays passed, as for every constructor: torch CPU tensors give torch masks (on the
+        CPU), numpy arrays and lists numpy ones; with several frameworks, the first that is
+        not numpy.
         """
         arrays = (retrieve_next_token, retrieve_next_sibling, draft_tokens)
         ndarray = np.ndarray
+        framework = None
         if (
             type(retrieve_next_token) is ndarray
             and type(retrieve_next_sibling) is ndarray
@@ -244,6 +248,7 @@ class GrammarTree:
             hosts = list(arrays)
         else:
             hosts = [host_array(n, a) for n, a in zip(_NAMES, arrays, strict=True)]
+            framework = _framework_of(arrays)
         next_token, next_sibling, draft = hosts
         shape = draft.shape
         int64 = _INT64
@@ -259,7 +264,7 @@ class GrammarTree:
             infos = [_info(n, h, host_backend()) for n, h in zip(_NAMES, hosts, strict=True)]
             shape = _check_shapes(infos, _NAMES)
         inplace = (next_token, next_sibling, draft)
-        return cls(None, shape[0], shape[1], None, False, None, None, None, inplace)
+        return cls(None, shape[0], shape[1], framework, False, None, None, None, inplace)
 
     @classmethod
     def from_linear_chain(cls, draft_tokens: Any) -> GrammarTree:
@@ -329,8 +334,9 @@ class GrammarTree:
                 rows = shape[0]
                 layout = _packed_layout(host, rows)
                 inplace = (tokens, layout.bounds)
-                return cls(None, layout.batch, layout.nodes, None, False, None, layout, rows,
-                           inplace)  # fmt: skip
+                framework = None if host is offsets else _framework_of([offsets])
+                return cls(None, layout.batch, layout.nodes, framework, False, None, layout,
+                           rows, inplace)  # fmt: skip
         backend = backend_for(tokens)
         info = _info("tokens", tokens, backend)
         if len(info.shape) != 1:
@@ -393,7 +399,8 @@ class GrammarTree:
 
     @property
     def backend(self) -> Backend:
-        """The backend of the tree's (first) device array; numpy for host trees."""
+        """The backend of the tree's arrays (the first framework among them that is not
+        numpy); numpy for trees of numpy arrays and lists."""
         return host_backend() if self._backend is None else self._backend
 
     @property
@@ -526,6 +533,18 @@ def _first_device(backend: Backend, arrays: Sequence[Any]) -> Any:
         device = backend.device_of(array)
         if device is not None:
             return device
+    return None
+
+
+def _framework_of(arrays: Sequence[Any]) -> Backend | None:
+    """The backend a mask over host ``arrays`` goes to: the first framework among them that
+    is not numpy (torch CPU tensors: torch), or None (numpy: numpy arrays, lists)."""
+    for array in arrays:
+        if isinstance(array, (np.ndarray, np.generic, list, tuple)):
+            continue
+        backend = backend_for(array)
+        if backend.name != "numpy":
+            return backend
     return None
 
 

@@ -78,7 +78,7 @@ def bench_verify(backend: str, shape: str, batch: int, rounds: int, rng: Any) ->
     import torch
     from sglang.srt.speculative import spec_utils
 
-    from portable_spec.integrations.sglang import internals
+    from portable_spec.integrations.sglang import internals, state
 
     grammars = _grammars(backend, batch, rng)
     reqs = [_sgl.Req(g) for g in grammars]
@@ -92,7 +92,7 @@ def bench_verify(backend: str, shape: str, batch: int, rounds: int, rng: Any) ->
     assert _sgl.plugin.install("on")
     try:
         build = {
-            "sglang": _sgl.plugin._patches().original(internals.BUILD),
+            "sglang": state.INTEGRATION.patch_set().original(internals.BUILD),
             "portable_spec": spec_utils.build_grammar_vocab_mask,
         }
         times: dict[str, list[float]] = {"sglang": [], "portable_spec": []}
@@ -125,13 +125,13 @@ def bench_fill(backend: str, batch: int, rounds: int, rng: Any) -> dict:
     from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
     from test_fill import update
 
-    from portable_spec.integrations.sglang import internals
+    from portable_spec.integrations.sglang import internals, state
 
     grammars = _grammars(backend, batch, rng)
     times: dict[str, list[float]] = {"sglang": [], "portable_spec": []}
     assert _sgl.plugin.install("on")
     fill = {
-        "sglang": staticmethod(_sgl.plugin._patches().original(internals.FILL)),
+        "sglang": staticmethod(state.INTEGRATION.patch_set().original(internals.FILL)),
         "portable_spec": vars(BaseGrammarObject)["fill_vocab_mask_batched"],
     }
     try:

@@ -95,17 +95,12 @@ class StepCounter:
 
 
 def set_mode(plugin: Any, mode: str) -> None:
-    from portable_spec.integrations.vllm import drafts
-
     if mode == "off":
         plugin.uninstall()
         return
     os.environ[plugin.FORCED_ENV_VAR] = "0" if mode == "masks" else "1"
-    if mode in VARIANTS:
-        env = VARIANTS[mode]
-        drafts.Writings.enabled = env["PORTABLE_SPEC_FORCED_WRITINGS"] == "1"
-        drafts.Lookup.enabled = env["PORTABLE_SPEC_FORCED_LOOKUP"] == "1"
-    assert plugin.install("on")
+    os.environ.update(VARIANTS.get(mode, {}))
+    assert plugin.install("on")  # reads the switches
 
 
 def valid(text: str, constraint: dict | None) -> bool:

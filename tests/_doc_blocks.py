@@ -1,9 +1,11 @@
-"""Run each ```python block of a Markdown file by itself: ``python _doc_blocks.py DOC OUT``.
+"""Run each ```python block of a Markdown file by itself: ``python _doc_blocks.py DOC OUT
+[LINE]``.
 
 Every block is compiled, then executed in a namespace of its own (as if it were a script of
 its own: only what it imports or defines exists), one after the other in this process; one
 JSON line per block goes to OUT: ``{"line", "status": "passed" | "failed" | "compiled",
-"detail"}``. A block whose first line is ``# needs: cuda``, ``# needs: tpu``,
+"detail"}``. With ``LINE``, only the block whose fence opens on that line (for blocks that
+need a fresh process, such as those that configure JAX's devices). A block whose first line is ``# needs: cuda``, ``# needs: tpu``,
 ``# needs: multi-host``, ``# needs: vllm``, ``# needs: sglang-jax`` or ``# needs: sglang`` is only
 compiled where that is missing here ("compiled", with the reason).
 """
@@ -51,9 +53,9 @@ def missing(need: str) -> str | None:
     return "needs several hosts"
 
 
-def main(doc: str, out: str) -> int:
+def main(doc: str, out: str, only: int | None = None) -> int:
     with open(doc, encoding="utf-8") as f:
-        found = blocks(f.read())
+        found = [(line, code) for line, code in blocks(f.read()) if only in (None, line)]
     with open(out, "w", encoding="utf-8") as results:
         for line, code in found:
             record = {"line": line, "status": "passed", "detail": ""}
@@ -74,4 +76,4 @@ def main(doc: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))

@@ -19,12 +19,14 @@ OUTLINES_ROLLBACK = 64
 
 
 class LLOracle:
-    """An ``llguidance.LLMatcher`` seen through xgrammar's interface. The end token is never
-    consumed: accepting it (where the mask allows it) marks the oracle terminated."""
+    """An ``llguidance.LLMatcher`` seen through xgrammar's interface. An end token (``eos``:
+    one id, or all of its tokenizer's) is never consumed: accepting it (where the mask allows
+    it) marks the oracle terminated."""
 
-    def __init__(self, inner: Any, eos: int, ended: bool = False) -> None:
+    def __init__(self, inner: Any, eos: int | frozenset[int], ended: bool = False) -> None:
         self.inner = inner
         self.eos = eos
+        self.ends = eos if isinstance(eos, frozenset) else frozenset([eos])
         self.ended = ended
 
     @property
@@ -39,7 +41,7 @@ class LLOracle:
     def accept_token(self, token: int) -> bool:
         if self.ended:
             return False  # a terminated matcher accepts nothing (as xgrammar's)
-        if token == self.eos:
+        if token in self.ends:
             self.ended = self._allows(token)
             return self.ended
         return self.inner.try_consume_tokens([token]) == 1
@@ -131,9 +133,8 @@ class LLRequest(Request):
     def fresh(self) -> LLOracle:
         import llguidance
 
-        oracle = LLOracle(
-            llguidance.LLMatcher(self.tokenizer, self.compiled, log_level=0), self.eos
-        )
+        ends = frozenset([self.eos, *getattr(self.tokenizer, "eos_tokens", ())])
+        oracle = LLOracle(llguidance.LLMatcher(self.tokenizer, self.compiled, log_level=0), ends)
         for t in self.prefix:
             assert oracle.accept_token(t), f"prefix token {t} refused"
         return oracle

@@ -17,6 +17,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import xgrammar as xgr
 
+# every test leaves the library's constants, functions and compiled helper as it found them
+from _leak_guard import library_left_as_found  # noqa: F401
+
 from portable_spec.testing import compile_sample, load_vocab, tokenizer_info
 
 # The tools (tools/) and the demo (examples/demo/) are not installed: they are imported from the
@@ -162,6 +165,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_sep("-", "backend matrix")
     for line in lines:
         terminalreporter.write_line(line)
+    # the skipped tests in one line (their reasons: hardware, engines or packages this machine
+    # lacks), unless the run already lists them
+    skipped = len(terminalreporter.stats.get("skipped", []))
+    if skipped and not set(config.option.reportchars) & set("saA"):
+        terminalreporter.write_line(
+            f"{skipped} skipped; to list each with its reason, run again with -rs "
+            "(scripts/test.sh -rs)"
+        )
 
 
 # -- a user's own model's tokenizer, without a model hub ----------------------------------------

@@ -118,48 +118,49 @@ def test_linear_chain_matches_oracle(smollm2, data):
 
 @SETTINGS
 @given(data=st.data())
-def test_small_chain_calls_match_oracle(vocab, data, monkeypatch):
+def test_small_chain_calls_match_oracle(vocab, data):
     """The single-function path of small chain calls (plain xgrammar matchers seen before, a
     few requests, short chains): rows, valid flags, node counts against the replay oracle, an
     ``out=`` filled with garbage rewritten in full, matchers back where they started; and the
     call really took that path."""
-    case = draw_case(data, vocab, max_batch=8, max_nodes=9,
-                     protocol=False)  # fmt: skip
-    batch, nodes = case.draft.shape
-    case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
-    case.next_sibling = np.full((batch, nodes), -1)
-    taken = spy_short_paths(monkeypatch)
-    # the first call learns each matcher's width; the second one can take the short path
-    ps.build_host_bitmask(
-        case.matchers, ps.GrammarTree.from_linear_chain(case.draft), case.vocab_size
-    )
-    before = _fingerprints(case, vocab)
-    words = -(-case.vocab_size // 32)
-    out = np.random.default_rng(1).integers(
-        -(2**31), 2**31, size=(batch * nodes, words), dtype=np.int32
-    )
-    return_valid = data.draw(st.booleans(), label="return_valid")
-    reset_grammar_stats()
-    taken.clear()
-    tree = ps.GrammarTree.from_linear_chain(case.draft)
-    result = ps.build_host_bitmask(
-        case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid
-    )
-    # every request has an xgrammar matcher as wide as the mask: the short path
-    plain = all(m is not None for m in case.matchers) and words == vocab.words
-    # the caller's int64 tokens, read in place by one compiled call
-    assert taken == (["one call"] if plain else [])
-    mask = result[0] if return_valid else result
-    if all(m is None for m in case.matchers):
-        assert mask is None
-        return
-    assert mask is out
-    _check(case, vocab, mask)
-    arrays = (case.next_token, case.next_sibling, case.draft)
-    if return_valid:
-        want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
-        np.testing.assert_array_equal(result[1], want)
-    stats = ps.grammar_stats()
-    want_counts = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
-    assert (stats["checked_nodes"], stats["rejected_nodes"]) == want_counts
-    assert _fingerprints(case, vocab) == before
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        case = draw_case(data, vocab, max_batch=8, max_nodes=9,
+                         protocol=False)  # fmt: skip
+        batch, nodes = case.draft.shape
+        case.next_token = np.tile(np.append(np.arange(1, nodes), -1), (batch, 1))
+        case.next_sibling = np.full((batch, nodes), -1)
+        taken = spy_short_paths(monkeypatch)
+        # the first call learns each matcher's width; the second one can take the short path
+        ps.build_host_bitmask(
+            case.matchers, ps.GrammarTree.from_linear_chain(case.draft), case.vocab_size
+        )
+        before = _fingerprints(case, vocab)
+        words = -(-case.vocab_size // 32)
+        out = np.random.default_rng(1).integers(
+            -(2**31), 2**31, size=(batch * nodes, words), dtype=np.int32
+        )
+        return_valid = data.draw(st.booleans(), label="return_valid")
+        reset_grammar_stats()
+        taken.clear()
+        tree = ps.GrammarTree.from_linear_chain(case.draft)
+        result = ps.build_host_bitmask(
+            case.matchers, tree, case.vocab_size, out=out, return_valid=return_valid
+        )
+        # every request has an xgrammar matcher as wide as the mask: the short path
+        plain = all(m is not None for m in case.matchers) and words == vocab.words
+        # the caller's int64 tokens, read in place by one compiled call
+        assert taken == (["one call"] if plain else [])
+        mask = result[0] if return_valid else result
+        if all(m is None for m in case.matchers):
+            assert mask is None
+            return
+        assert mask is out
+        _check(case, vocab, mask)
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        if return_valid:
+            want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
+            np.testing.assert_array_equal(result[1], want)
+        stats = ps.grammar_stats()
+        want_counts = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
+        assert (stats["checked_nodes"], stats["rejected_nodes"]) == want_counts
+        assert _fingerprints(case, vocab) == before

@@ -46,45 +46,46 @@ def _prints(case, vocab):
 @pytest.mark.parametrize("path", ["lists", "arrays"])
 @SETTINGS
 @given(data=st.data())
-def test_compact_matches_oracle(vocab, path, builder_mode, data, monkeypatch):
+def test_compact_matches_oracle(vocab, path, builder_mode, data):
     """Random trees, padding, off-grammar/EOS/out-of-range drafts, padded vocabularies,
     xgrammar and protocol matchers: exactly the oracle's entries, rows ascending, bits equal,
     node counts equal, matchers restored; with max_rows, padding that applies to nothing."""
-    if path == "arrays":
-        monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
-    monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
-    case = draw_case(data, vocab)
-    before = _prints(case, vocab)
-    tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
-    max_rows = data.draw(st.sampled_from([None, case.next_token.size]), label="max_rows")
-    return_valid = data.draw(st.booleans(), label="return_valid")
-    reset_grammar_stats()
-    mask = ps.build_host_bitmask(
-        case.matchers,
-        tree,
-        case.vocab_size,
-        layout="compact",
-        max_rows=max_rows,
-        return_valid=return_valid,
-    )
-    arrays = (case.next_token, case.next_sibling, case.draft)
-    if return_valid:  # the accepted nodes, as the dense layout reports them
-        mask, valid = mask
-        want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
-        np.testing.assert_array_equal(valid, want)
-    assert_compact_matches(case, vocab.words, mask)
-    if mask is not None:
-        assert mask.num_rows == case.next_token.size
-        assert mask.capacity == (mask.count if max_rows is None else max_rows)
-        real = mask.rows[: mask.count]
-        assert (np.diff(real) > 0).all()  # strictly ascending
-        stats = ps.grammar_stats()
-        want = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
-        assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
-    assert _prints(case, vocab) == before
-    for m in case.matchers:
-        if isinstance(m, ProtocolMatcher):
-            assert m.depth == 0
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        if path == "arrays":
+            monkeypatch.setattr(topology_module, "SMALL_TREE_ROWS", 0)
+        monkeypatch.setattr(routes, "POOL_WORK", data.draw(st.sampled_from([0, routes.POOL_WORK])))
+        case = draw_case(data, vocab)
+        before = _prints(case, vocab)
+        tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
+        max_rows = data.draw(st.sampled_from([None, case.next_token.size]), label="max_rows")
+        return_valid = data.draw(st.booleans(), label="return_valid")
+        reset_grammar_stats()
+        mask = ps.build_host_bitmask(
+            case.matchers,
+            tree,
+            case.vocab_size,
+            layout="compact",
+            max_rows=max_rows,
+            return_valid=return_valid,
+        )
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        if return_valid:  # the accepted nodes, as the dense layout reports them
+            mask, valid = mask
+            want = expected_valid(case.requests, *arrays, case.vocab_size, vocab.words)
+            np.testing.assert_array_equal(valid, want)
+        assert_compact_matches(case, vocab.words, mask)
+        if mask is not None:
+            assert mask.num_rows == case.next_token.size
+            assert mask.capacity == (mask.count if max_rows is None else max_rows)
+            real = mask.rows[: mask.count]
+            assert (np.diff(real) > 0).all()  # strictly ascending
+            stats = ps.grammar_stats()
+            want = expected_node_counts(case.requests, *arrays, case.vocab_size, vocab.words)
+            assert (stats["checked_nodes"], stats["rejected_nodes"]) == want
+        assert _prints(case, vocab) == before
+        for m in case.matchers:
+            if isinstance(m, ProtocolMatcher):
+                assert m.depth == 0
 
 
 @settings(

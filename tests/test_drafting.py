@@ -457,6 +457,36 @@ def test_levels_added_without_masks_are_computed_when_needed(smollm2, tok):
         np.testing.assert_array_equal(s.verify_mask(), want)
 
 
+def test_xgrammar_levels_are_walked_in_one_compiled_call(smollm2, tok, monkeypatch):
+    """xgrammar requests: a level's rows come from one walk of the tree so far (the library's
+    compiled build), levels staged without masks from one walk together; no matcher is
+    forked per node, and the rows are the build's."""
+    from portable_spec.drafting import session as session_module
+
+    walks = []
+    build = session_module.build_host_bitmask
+
+    def counted(matchers, tree, *args, **kwargs):
+        walks.append(tree.shape)
+        return build(matchers, tree, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "build_host_bitmask", counted)
+    grammar = smollm2.grammars["json_schema"]
+    matchers = [xgr.GrammarMatcher(grammar), None, xgr.GrammarMatcher(grammar)]
+    toks = tok.encode('{"name": "Al')
+    with ps.DraftSession(matchers, smollm2.size) as s:
+        s.extend([[0, 0]] * 3, [[toks[0], 7]] * 3)
+        assert len(walks) == 1 and walks[0].batch == 2  # the two xgrammar requests
+        for depth in range(1, 4):
+            s.extend([[2 * depth - 1, -1]] * 3, [[toks[depth], 0]] * 3, masks=False)
+        assert len(walks) == 1
+        mask = s.verify_mask()
+        assert len(walks) == 2 and walks[1].nodes == s.nodes
+        want = ps.build_grammar_vocab_mask(matchers, _tree(s.tree()), smollm2.size)
+        np.testing.assert_array_equal(mask, want)
+        assert s.valid()[0].tolist() == [True, True, False, True, False, True, False, True, False]
+
+
 # -- unconstrained and mixed batches -----------------------------------------------------------------
 def test_batches_without_grammars(smollm2):
     with ps.DraftSession([None, None], smollm2.size) as s:

@@ -57,48 +57,49 @@ def _spy(monkeypatch, name):
 @pytest.mark.parametrize("path", ["small", "small_python", "batch", "single"])
 @SETTINGS
 @given(data=st.data())
-def test_compiled_walks_match_oracle(smollm2, path, shape, data, monkeypatch):
-    if compiled.native is None:
-        pytest.skip("the compiled helper is not built")
-    make, kinds = engine_factory(smollm2, ("llguidance",))
-    case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
-    if shape == "chain":  # the same requests on chains: node i's only child i + 1
-        nodes = case.draft.shape[1]
-        case.next_token[:] = np.arange(1, nodes + 1)
-        case.next_token[:, -1] = -1
-        case.next_sibling[:] = -1
-        tree = ps.GrammarTree.from_linear_chain(case.draft)
-    else:
-        tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
-    if path in ("batch", "single"):  # the general build
-        monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
-    if path == "single":  # each request in a job of its own
-        monkeypatch.setattr(dense._DenseRows, "llguidance_walks", lambda *args: None)
-    if path == "small_python":  # as for arrays the compiled call does not read in place
-        monkeypatch.setattr(compiled, "llguidance_masks", lambda *args: None)
-    before = matcher_prints(case.matchers, smollm2.words, PROBE)
-    ps.build_host_bitmask(case.matchers, tree, case.vocab_size)  # probes each matcher once
-    calls = _spy(monkeypatch, ENTRIES[path])
-    reset_grammar_stats()
-    mask, valid = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, return_valid=True)
-    constrained = [m for m in case.matchers if m is not None]
-    padded = (case.vocab_size + 31) // 32 != smollm2.words  # rows wider than the matchers
-    taken = len(constrained) == len(case.matchers) and not padded  # the small build's case
-    if path == "small":
-        assert calls == [True] if taken else True not in calls
-    elif (path == "small_python" and taken) or (path == "batch" and constrained and not padded):
-        assert calls == [True]
-    elif path == "single":
-        assert len(calls) == len(constrained) and all(calls)
-    assert_mask_matches(case, smollm2.words, mask)
-    arrays = (case.next_token, case.next_sibling, case.draft)
-    want = expected_valid(case.requests, *arrays, case.vocab_size, smollm2.words)
-    np.testing.assert_array_equal(valid, want)
-    if mask is not None:
-        stats = ps.grammar_stats()
-        counts = expected_node_counts(case.requests, *arrays, case.vocab_size, smollm2.words)
-        assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
-    assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
+def test_compiled_walks_match_oracle(smollm2, path, shape, data):
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        if compiled.native is None:
+            pytest.skip("the compiled helper is not built")
+        make, kinds = engine_factory(smollm2, ("llguidance",))
+        case = draw_case(data, smollm2, kinds=kinds, make_request=make, protocol=False)
+        if shape == "chain":  # the same requests on chains: node i's only child i + 1
+            nodes = case.draft.shape[1]
+            case.next_token[:] = np.arange(1, nodes + 1)
+            case.next_token[:, -1] = -1
+            case.next_sibling[:] = -1
+            tree = ps.GrammarTree.from_linear_chain(case.draft)
+        else:
+            tree = ps.GrammarTree.from_host(case.next_token, case.next_sibling, case.draft)
+        if path in ("batch", "single"):  # the general build
+            monkeypatch.setattr(small_llguidance, "in_place", lambda *args: None)
+        if path == "single":  # each request in a job of its own
+            monkeypatch.setattr(dense._DenseRows, "llguidance_walks", lambda *args: None)
+        if path == "small_python":  # as for arrays the compiled call does not read in place
+            monkeypatch.setattr(compiled, "llguidance_masks", lambda *args: None)
+        before = matcher_prints(case.matchers, smollm2.words, PROBE)
+        ps.build_host_bitmask(case.matchers, tree, case.vocab_size)  # probes each matcher once
+        calls = _spy(monkeypatch, ENTRIES[path])
+        reset_grammar_stats()
+        mask, valid = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, return_valid=True)
+        constrained = [m for m in case.matchers if m is not None]
+        padded = (case.vocab_size + 31) // 32 != smollm2.words  # rows wider than the matchers
+        taken = len(constrained) == len(case.matchers) and not padded  # the small build's case
+        if path == "small":
+            assert calls == [True] if taken else True not in calls
+        elif (path == "small_python" and taken) or (path == "batch" and constrained and not padded):
+            assert calls == [True]
+        elif path == "single":
+            assert len(calls) == len(constrained) and all(calls)
+        assert_mask_matches(case, smollm2.words, mask)
+        arrays = (case.next_token, case.next_sibling, case.draft)
+        want = expected_valid(case.requests, *arrays, case.vocab_size, smollm2.words)
+        np.testing.assert_array_equal(valid, want)
+        if mask is not None:
+            stats = ps.grammar_stats()
+            counts = expected_node_counts(case.requests, *arrays, case.vocab_size, smollm2.words)
+            assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
+        assert matcher_prints(case.matchers, smollm2.words, PROBE) == before
 
 
 @pytest.mark.parametrize("path", ["small", "batch", "single"])

@@ -157,9 +157,9 @@ def test_repair_chains_checks_spans_before_writing():
 @pytest.mark.parametrize("seed", range(40))
 def test_chain_live_agrees_with_numpy(seed):
     """After llguidance's executor: the compiled pass that counts each chain's allowed drafts
-    and lists the rows to decide on a fork equals the numpy pass, on random rows with planted
-    sentinels, sparse rows, out-of-range drafts and ended requests; bad shapes and row indices
-    are refused with an error."""
+    and lists the drafts to decide on a fork equals the numpy pass, on random rows with
+    planted sentinels, drafts flagged as end tokens, out-of-range drafts and ended requests;
+    bad shapes and row indices are refused with an error."""
     from portable_spec.engines import llguidance as engine
 
     rng = np.random.default_rng(seed)
@@ -169,37 +169,34 @@ def test_chain_live_agrees_with_numpy(seed):
     target = rng.integers(-(2**31), 2**31, size=(height, width), dtype=np.int64)
     target = np.where(rng.random(target.shape) < 0.5, target, -1).astype(np.int32)
     rows = rng.permutation(height)[: count * nodes].reshape(count, nodes).astype(np.int64)
-    for r in rng.choice(height, size=height // 2, replace=False):  # planted special rows
-        if rng.random() < 0.5:
-            target[r, 0], target[r, -1] = engine._SENTINEL
-        else:
-            target[r] = 0
-            target[r, rng.integers(width)] = -1  # sparse: one word set
+    for r in rng.choice(height, size=height // 2, replace=False):  # planted sentinel rows
+        target[r, 0], target[r, -1] = engine._SENTINEL
     tokens = rng.integers(-2, limit + 2, size=(count, nodes - 1)).astype(np.int64)
     outside = (tokens < 0) | (tokens >= limit)
     usable = np.zeros(count, dtype=np.int64)
     if nodes > 1:  # each chain's drafts before its first out-of-range one
         usable = np.where(outside.any(axis=1), outside.argmax(axis=1), nodes - 1).astype(np.int64)
     ended = rng.random(count) < 0.2
-    most = int(rng.integers(0, width + 1))
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(engine, "END_ROW_MAX_WORDS", most)
-    live, checks = native.chain_live(target, rows, tokens, usable, ended, *engine._SENTINEL, most)
+    ends = rng.random((count, nodes - 1)) < 0.3
+    live, checks = native.chain_live(target, rows, tokens, usable, ended, ends, *engine._SENTINEL)
     if nodes > 1:  # (the numpy pass is never asked about chains without drafts)
-        try:
-            want_live, want_checks = engine._live_by_numpy(target, rows, tokens, usable, ended)
-        finally:
-            monkey.undo()
+        want_live, want_checks = engine._live_by_numpy(target, rows, tokens, usable, ended, ends)
         assert live == want_live.tolist()
         assert checks == want_checks
     assert all(not ended[k] and i < live[k] for k, i, _, _ in checks)
     bad = rows.copy()
     bad[0, 0] = height
     with pytest.raises(ValueError, match="outside target"):
-        native.chain_live(target, bad, tokens, usable, ended, *engine._SENTINEL, most)
+        native.chain_live(target, bad, tokens, usable, ended, ends, *engine._SENTINEL)
     with pytest.raises(ValueError, match="tokens"):
         native.chain_live(target, rows, tokens[:, :0].copy() if nodes > 1 else np.zeros((count, 1),
-                          np.int64), usable, ended, *engine._SENTINEL, most)  # fmt: skip
+                          np.int64), usable, ended, ends, *engine._SENTINEL)  # fmt: skip
+    with pytest.raises(ValueError, match="ends"):
+        native.chain_live(target, rows, tokens, usable, ended, np.zeros((count, nodes), bool),
+                          *engine._SENTINEL)  # fmt: skip
+    with pytest.raises(TypeError, match="ends"):
+        native.chain_live(target, rows, tokens, usable, ended, ends.astype(np.int64),
+                          *engine._SENTINEL)  # fmt: skip
 
 
 @compiled_only

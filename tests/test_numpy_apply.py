@@ -53,6 +53,18 @@ def test_apply_errors():
         ps.apply_vocab_mask(np.zeros((2, 4)), np.zeros((1, 1), np.int32))
 
 
+def test_read_only_logits_are_refused_by_name():
+    """numpy logits are written in place: read-only ones (a view of a buffer the caller does
+    not own) are refused with the way out, dense, compact and mask-less alike."""
+    logits = np.zeros((2, 64), np.float32)
+    logits.flags.writeable = False
+    compact = ps.CompactMask(np.array([1], np.int32), np.zeros((1, 2), np.int32), 2)
+    for mask, vocab_size in ((np.zeros((2, 2), np.int32), None), (compact, None), (None, 40)):
+        with pytest.raises(ValueError, match=r"logits are read-only.*np\.array\(logits\)"):
+            ps.apply_vocab_mask(logits, mask, vocab_size=vocab_size)
+    assert (logits == 0).all()
+
+
 def test_logits_wider_than_the_mask_are_refused_unless_vocab_size_says_how():
     """60000-wide logits, a 49152-token mask: the 10848 extra columns would stay allowed in
     constrained rows (padding ids sampled); refused, nothing written."""

@@ -444,43 +444,46 @@ def test_a_stale_compiled_helper_is_not_used(smollm2, monkeypatch, caplog):
 
 @SETTINGS
 @given(data=st.data())
-def test_small_packed_calls_take_the_short_path(smollm2, data, monkeypatch):
+def test_small_packed_calls_take_the_short_path(smollm2, data):
     """Ragged chains of a few xgrammar requests the library has seen (tokens off the grammar,
     EOS and out of range included): the single-function path writes them (spied), from the
     caller's tokens in place, row for row and flag for flag as the replay says, an ``out``
     full of garbage rewritten, node counts as the replay counts them, matchers restored."""
-    case, chains, tokens, offsets = _draw_packed(data, smollm2, ("xgrammar",), max_length=9)
-    words = -(-case.vocab_size // 32)
-    plain = all(m is not None for m in case.matchers) and words == smollm2.words
-    taken = spy_short_paths(monkeypatch)
-    ps.build_host_bitmask(  # the first call learns each matcher's width
-        case.matchers, ps.GrammarTree.from_packed_chains(tokens, offsets), case.vocab_size
-    )
-    before = _prints(case.matchers, smollm2.words)
-    want, want_valid = _oracle(case, chains, case.vocab_size, smollm2.words)
-    out = np.random.default_rng(3).integers(
-        -(2**31), 2**31, size=(int(offsets[-1]), words), dtype=np.int32
-    )
-    reset_grammar_stats()
-    taken.clear()
-    tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
-    result = ps.build_host_bitmask(case.matchers, tree, case.vocab_size, out=out, return_valid=True)
-    # the caller's int64 tokens, read in place by one compiled call
-    assert taken == (["one call"] if plain else [])
-    mask, valid = result
-    if all(m is None for m in case.matchers):
-        assert mask is None
-        return
-    assert mask is out
-    _assert_rows(mask, want)
-    np.testing.assert_array_equal(valid, want_valid)
-    if plain:
-        links = [_links(len(c)) for c in chains]
-        stats = ps.grammar_stats()
-        want_counts = [0, 0]
-        for request, chain, (nt, ns) in zip(case.requests, chains, links, strict=True):
-            counts = expected_node_counts([request], np.array([nt]), np.array([ns]),
-                                          np.array([chain]), case.vocab_size, smollm2.words)  # fmt: skip
-            want_counts = [want_counts[0] + counts[0], want_counts[1] + counts[1]]
-        assert [stats["checked_nodes"], stats["rejected_nodes"]] == want_counts
-    assert _prints(case.matchers, smollm2.words) == before
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        case, chains, tokens, offsets = _draw_packed(data, smollm2, ("xgrammar",), max_length=9)
+        words = -(-case.vocab_size // 32)
+        plain = all(m is not None for m in case.matchers) and words == smollm2.words
+        taken = spy_short_paths(monkeypatch)
+        ps.build_host_bitmask(  # the first call learns each matcher's width
+            case.matchers, ps.GrammarTree.from_packed_chains(tokens, offsets), case.vocab_size
+        )
+        before = _prints(case.matchers, smollm2.words)
+        want, want_valid = _oracle(case, chains, case.vocab_size, smollm2.words)
+        out = np.random.default_rng(3).integers(
+            -(2**31), 2**31, size=(int(offsets[-1]), words), dtype=np.int32
+        )
+        reset_grammar_stats()
+        taken.clear()
+        tree = ps.GrammarTree.from_packed_chains(tokens, offsets)
+        result = ps.build_host_bitmask(
+            case.matchers, tree, case.vocab_size, out=out, return_valid=True
+        )
+        # the caller's int64 tokens, read in place by one compiled call
+        assert taken == (["one call"] if plain else [])
+        mask, valid = result
+        if all(m is None for m in case.matchers):
+            assert mask is None
+            return
+        assert mask is out
+        _assert_rows(mask, want)
+        np.testing.assert_array_equal(valid, want_valid)
+        if plain:
+            links = [_links(len(c)) for c in chains]
+            stats = ps.grammar_stats()
+            want_counts = [0, 0]
+            for request, chain, (nt, ns) in zip(case.requests, chains, links, strict=True):
+                counts = expected_node_counts([request], np.array([nt]), np.array([ns]),
+                                              np.array([chain]), case.vocab_size, smollm2.words)  # fmt: skip
+                want_counts = [want_counts[0] + counts[0], want_counts[1] + counts[1]]
+            assert [stats["checked_nodes"], stats["rejected_nodes"]] == want_counts
+        assert _prints(case.matchers, smollm2.words) == before

@@ -12,17 +12,10 @@ import threading
 
 import pytest
 
-from portable_spec.integrations.patching import (
-    ImportHook,
-    LogOnce,
-    Patch,
-    PatchSet,
-    Revision,
-    Stats,
-    read_mode,
-    resolve,
-    source_hash,
-)
+from portable_spec.integrations.face import read_mode
+from portable_spec.integrations.import_hook import ImportHook
+from portable_spec.integrations.patching import Patch, PatchSet, Revision, resolve, source_hash
+from portable_spec.integrations.telemetry import LogOnce, Stats
 
 ENGINE = """
 class Base:
@@ -453,3 +446,205 @@ def test_log_once_per_kind_until_reset(caplog):
         "refused a",
     ]
     assert once.first("d") and not once.first("d")
+
+
+# -- patch sets stacked on the same functions -----------------------------------------------
+
+
+def _tagged(pkg, tag, calls=None):
+    """A patch set replacing ``build`` (rebound) and ``Worker.step``, each result tagged."""
+
+    def make(original):
+        if calls is not None:
+            calls.append(tag)
+
+        def replacement(*args):
+            return (tag, original(*args))
+
+        return replacement
+
+    targets = ("build", "Worker.step")
+    return PatchSet(
+        f"fake-{tag}",
+        patches=[
+            Patch(f"{pkg}.core:build", make, rebind=True),
+            Patch(f"{pkg}.core:Worker.step", make),
+        ],
+        revisions={"r1": Revision("", _hashes(pkg, *targets))},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+
+
+def _calls(pkg):
+    """What ``build(5)`` and ``Worker().step(1)`` return, through the owner, a module that
+    bound ``build`` before any install and one imported now."""
+    core = importlib.import_module(f"{pkg}.core")
+    user = importlib.import_module(f"{pkg}.user")
+    late = importlib.import_module(f"{pkg}.late")
+    return core.build(5), user.build(5), late.build(5), core.Worker().step(1)
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_stacked_sets_uninstall_in_any_order_and_leave_the_other(engine, order):
+    core = importlib.import_module(f"{engine}.core")
+    user = importlib.import_module(f"{engine}.user")
+    build, step = core.build, core.Worker.step
+    sets = {tag: _tagged(engine, tag) for tag in "AB"}
+    assert sets["A"].install() and sets["B"].install()
+    assert _calls(engine) == (("B", ("A", 4)),) * 3 + (("B", ("A", 2)),)
+    first, second = order
+    sets[first].uninstall()
+    assert not sets[first].is_installed() and sets[second].is_installed()
+    assert _calls(engine) == ((second, 4),) * 3 + ((second, 2),)
+    assert sets[second].original(f"{engine}.core:build") is build
+    sets[second].uninstall()
+    assert not sets[second].is_installed()
+    late = importlib.import_module(f"{engine}.late")
+    assert core.build is build and user.build is build and user.renamed is build
+    assert late.build is build and core.Worker.step is step
+
+
+def test_the_middle_of_three_stacked_sets_comes_out_alone(engine):
+    core = importlib.import_module(f"{engine}.core")
+    build = core.build
+    sets = [_tagged(engine, tag) for tag in "ABC"]
+    for s in sets:
+        assert s.install()
+    assert _calls(engine)[0] == ("C", ("B", ("A", 4)))
+    sets[1].uninstall()
+    assert _calls(engine) == (("C", ("A", 4)),) * 3 + (("C", ("A", 2)),)
+    assert sets[0].is_installed() and sets[2].is_installed() and not sets[1].is_installed()
+    sets[0].uninstall()
+    assert _calls(engine) == (("C", 4),) * 3 + (("C", 2),)
+    sets[2].uninstall()
+    assert core.build is build and _calls(engine) == (4, 4, 4, 2)
+
+
+def test_a_stacked_set_recognises_the_engine_under_another(engine):
+    """The source hash of a replacement is the engine's, however many sets are stacked."""
+    sets = [_tagged(engine, tag) for tag in "AB"]
+    assert sets[0].install()
+    assert sets[1].recognise() == ("r1", "")
+    assert sets[1].install()
+    third = _tagged(engine, "C")
+    assert third.recognise() == ("r1", "")
+    for s in sets:
+        s.uninstall()
+
+
+def test_an_uninstall_that_cannot_remake_the_set_above_changes_nothing(engine):
+    calls: list[str] = []
+    lower = _tagged(engine, "A")
+    assert lower.install()
+
+    def fragile(original):  # makes its replacement once, then refuses
+        if calls:
+            raise RuntimeError("made once only")
+        calls.append("B")
+        return lambda *args: ("B", original(*args))
+
+    upper = PatchSet(
+        "fake-B",
+        patches=[Patch(f"{engine}.core:build", fragile, rebind=True)],
+        revisions={"r1": Revision("", _hashes(engine, "build"))},
+        version=lambda: "1",
+        logger=logging.getLogger("test.fake"),
+    )
+    assert upper.install()
+    before = _calls(engine)
+    assert before[:3] == (("B", ("A", 4)),) * 3
+    with pytest.raises(RuntimeError, match="fake-B.*made again.*nothing was changed"):
+        lower.uninstall()
+    assert _calls(engine) == before
+    assert lower.is_installed() and upper.is_installed()
+    upper.uninstall()
+    lower.uninstall()
+    assert _calls(engine) == (4, 4, 4, 2)
+
+
+def test_a_reloaded_module_is_not_patched_and_installs_again(engine):
+    core = importlib.import_module(f"{engine}.core")
+    user = importlib.import_module(f"{engine}.user")
+    own = core.build
+    patches = _set(engine)
+    assert patches.install() and patches.is_installed()
+    importlib.reload(core)  # the engine's own functions again, a new Worker class
+    assert not patches.is_installed()
+    assert core.build(5) == 4 and core.Worker().step(1) == 2
+    assert patches.install() and patches.is_installed()
+    assert core.build(5) == ("build", 4) and core.Worker().step(1) == ("step", 2)
+    # a module that bound the function before the reload keeps what it bound (as a reload
+    # leaves it), never the replacement of a function its module no longer has
+    assert user.build is own
+    late = importlib.import_module(f"{engine}.late")
+    assert late.build(5) == ("build", 4)
+    patches.uninstall()
+    assert not patches.is_installed()
+    assert core.build(5) == 4 and core.Worker().step(1) == 2 and late.build(5) == 4
+    assert user.build is own
+
+
+def test_uninstall_after_a_reload_leaves_the_reloaded_functions(engine):
+    core = importlib.import_module(f"{engine}.core")
+    patches = _set(engine)
+    assert patches.install()
+    importlib.reload(core)
+    fresh_build, fresh_worker = core.build, core.Worker
+    patches.uninstall()
+    assert core.build is fresh_build and core.Worker is fresh_worker
+    assert "inherited" not in vars(core.Worker) and core.Worker().step(1) == 2
+
+
+def test_a_function_replaced_by_someone_else_is_not_installed(engine):
+    core = importlib.import_module(f"{engine}.core")
+    patches = _set(engine)
+    assert patches.install()
+
+    def theirs(x):
+        return "theirs"
+
+    core.build = theirs
+    assert not patches.is_installed()
+    patches.uninstall()
+    assert core.build is theirs  # left as it now is
+    assert core.Worker.step(core.Worker(), 1) == 2  # the rest given back
+
+
+# -- what the one warning says --------------------------------------------------------------
+
+
+def test_a_module_that_cannot_be_imported_is_named_not_taken_for_another_source(engine, caplog):
+    """An engine module that fails to import here (a dependency missing) is reported as that
+    import failure, with what it raised, never as a source that differs."""
+    root = importlib.import_module(engine).__path__[0]
+    with open(f"{root}/spec.py", "w") as f:
+        f.write("import portable_spec_missing_dependency\n\ndef build(x):\n    return x\n")
+    importlib.invalidate_caches()
+    patches = _set(engine)
+    patches.revisions["r1"] = Revision(
+        "1.2", {**patches.revisions["r1"].sources, f"{engine}.spec:build": "0" * 64}
+    )
+    patches.patches = (*patches.patches, Patch(f"{engine}.spec:build"))
+    with caplog.at_level(logging.WARNING, "test.fake"):
+        assert not patches.install()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{engine}.spec does not import here" in warning, warning
+    assert "No module named 'portable_spec_missing_dependency'" in warning, warning
+    assert "differ" not in warning
+    assert patches.sources()[f"{engine}.spec:build"] is None
+
+
+def test_a_differing_source_and_a_missing_function_are_named_apart(engine, caplog):
+    patches = _set(engine)
+    sources = dict(patches.revisions["r1"].sources)
+    sources[f"{engine}.core:bug"] = "0" * 64
+    sources[f"{engine}.core:nowhere"] = "0" * 64
+    patches.revisions["r1"] = Revision("1.2", sources)
+    patches.patches = (*patches.patches, Patch(f"{engine}.core:nowhere"))
+    label, why = patches.recognise()
+    assert label is None
+    assert why == (
+        f"version 1.2.3, but the source of {engine}.core:bug differs "
+        f"and {engine}.core:nowhere not found"
+    )

@@ -91,96 +91,99 @@ def _links_valid(nt: np.ndarray, ns: np.ndarray) -> bool:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_small_trees_match_the_replay(smollm2, monkeypatch, data):
+def test_small_trees_match_the_replay(smollm2, data):
     """Rows, valid flags, node counts and build counters as the replay says; the compiled call
     takes exactly the batches it is for; malformed input refused with no matcher moved."""
-    case = draw_case(data, smollm2, max_batch=4, max_nodes=20, protocol=False)
-    requests, matchers = list(case.requests), list(case.matchers)
-    nt, ns, dt = case.next_token.copy(), case.next_sibling.copy(), case.draft.copy()
-    batch, nodes = nt.shape
-    # half the examples are the common engine call (the one the compiled path is for, some
-    # requests unconstrained), the others anything: unprobed matchers, other dtypes or sizes;
-    # links corrupted in both
-    common = data.draw(st.booleans(), label="common call?")
-    live = [m for m in matchers if m is not None]
-    assume(live)  # with no grammar there is nothing to build (see the builder's own tests)
-    sizes = (
-        [smollm2.size] if common else [smollm2.size] * 3 + [smollm2.size - 1, smollm2.size + 37, 64]
-    )
-    vocab_size = data.draw(st.sampled_from(sizes), label="vocab_size")
-    for m in matchers:
-        if m is not None and (common or data.draw(st.integers(0, 9), label="unprobed?") > 0):
-            _probe(m, smollm2.size)
-    if data.draw(st.integers(0, 3), label="corrupt links?") == 0:
-        b, j = data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, nodes - 1))
-        target = nt if data.draw(st.booleans()) else ns
-        target[b, j] = data.draw(st.sampled_from([-2, 0, j, nodes, 2**40]), label="bad link")
-    flavours = ["int64", "readonly"] if common else FLAVOURS
-    kinds = [data.draw(st.sampled_from(flavours), label=n) for n in ("nt", "ns", "dt")]
-    arrays = [_flavour(k, a) for k, a in zip(kinds, (nt, ns, dt), strict=True)]
-    words = -(-vocab_size // 32)
-    outs = ["none", "fits"] if common else ["none", "fits", "wrong"]
-    out_kind = data.draw(st.sampled_from(outs), label="out")
-    out = None
-    if out_kind != "none":
-        out = np.full((batch * nodes + (out_kind == "wrong"), words), 7, dtype=np.int32)
-    return_valid = data.draw(st.booleans(), label="return_valid")
-    set_slow_grammar_threshold(1e-12 if data.draw(st.booleans(), label="slow?") else None)
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone after each example
+        case = draw_case(data, smollm2, max_batch=4, max_nodes=20, protocol=False)
+        requests, matchers = list(case.requests), list(case.matchers)
+        nt, ns, dt = case.next_token.copy(), case.next_sibling.copy(), case.draft.copy()
+        batch, nodes = nt.shape
+        # half the examples are the common engine call (the one the compiled path is for, some
+        # requests unconstrained), the others anything: unprobed matchers, other dtypes or sizes;
+        # links corrupted in both
+        common = data.draw(st.booleans(), label="common call?")
+        live = [m for m in matchers if m is not None]
+        assume(live)  # with no grammar there is nothing to build (see the builder's own tests)
+        sizes = (
+            [smollm2.size]
+            if common
+            else [smollm2.size] * 3 + [smollm2.size - 1, smollm2.size + 37, 64]
+        )
+        vocab_size = data.draw(st.sampled_from(sizes), label="vocab_size")
+        for m in matchers:
+            if m is not None and (common or data.draw(st.integers(0, 9), label="unprobed?") > 0):
+                _probe(m, smollm2.size)
+        if data.draw(st.integers(0, 3), label="corrupt links?") == 0:
+            b, j = data.draw(st.integers(0, batch - 1)), data.draw(st.integers(0, nodes - 1))
+            target = nt if data.draw(st.booleans()) else ns
+            target[b, j] = data.draw(st.sampled_from([-2, 0, j, nodes, 2**40]), label="bad link")
+        flavours = ["int64", "readonly"] if common else FLAVOURS
+        kinds = [data.draw(st.sampled_from(flavours), label=n) for n in ("nt", "ns", "dt")]
+        arrays = [_flavour(k, a) for k, a in zip(kinds, (nt, ns, dt), strict=True)]
+        words = -(-vocab_size // 32)
+        outs = ["none", "fits"] if common else ["none", "fits", "wrong"]
+        out_kind = data.draw(st.sampled_from(outs), label="out")
+        out = None
+        if out_kind != "none":
+            out = np.full((batch * nodes + (out_kind == "wrong"), words), 7, dtype=np.int32)
+        return_valid = data.draw(st.booleans(), label="return_valid")
+        set_slow_grammar_threshold(1e-12 if data.draw(st.booleans(), label="slow?") else None)
 
-    taken = []
-    walk = native_module.tree_masks
+        taken = []
+        walk = native_module.tree_masks
 
-    def spy(*args):
-        done = walk(*args)
-        taken.append(done is not None)
-        return done
+        def spy(*args):
+            done = walk(*args)
+            taken.append(done is not None)
+            return done
 
-    monkeypatch.setattr(native_module, "tree_masks", spy)
-    probes = [smollm2.eos, 0, 1, 100, 4095]
-    before = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
-    links_ok = _links_valid(nt, ns)
-    valid_input = words >= smollm2.words and links_ok and out_kind != "wrong"
-    probed = all(m is None or _known(m) for m in matchers)  # before the build probes any
-    reset_grammar_stats()
-    try:
-        tree = ps.GrammarTree.from_host(*arrays)
-        if not valid_input:
-            with pytest.raises((ValueError, TypeError)):
-                ps.build_host_bitmask(
+        monkeypatch.setattr(native_module, "tree_masks", spy)
+        probes = [smollm2.eos, 0, 1, 100, 4095]
+        before = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
+        links_ok = _links_valid(nt, ns)
+        valid_input = words >= smollm2.words and links_ok and out_kind != "wrong"
+        probed = all(m is None or _known(m) for m in matchers)  # before the build probes any
+        reset_grammar_stats()
+        try:
+            tree = ps.GrammarTree.from_host(*arrays)
+            if not valid_input:
+                with pytest.raises((ValueError, TypeError)):
+                    ps.build_host_bitmask(
+                        matchers, tree, vocab_size, out=out, return_valid=return_valid
+                    )
+                assert not any(taken)
+            else:
+                result = ps.build_host_bitmask(
                     matchers, tree, vocab_size, out=out, return_valid=return_valid
                 )
-            assert not any(taken)
-        else:
-            result = ps.build_host_bitmask(
-                matchers, tree, vocab_size, out=out, return_valid=return_valid
-            )
-            mask, valid = result if return_valid else (result, None)
-            want = expected_mask(requests, nt, ns, dt, vocab_size, smollm2.words)
-            np.testing.assert_array_equal(mask, want)
-            assert out is None or mask is out
-            if return_valid:
-                want_valid = expected_valid(requests, nt, ns, dt, vocab_size, smollm2.words)
-                np.testing.assert_array_equal(valid, want_valid)
-            stats = ps.grammar_stats()
-            counts = expected_node_counts(requests, nt, ns, dt, vocab_size, smollm2.words)
-            assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
-            assert (stats["builds"], stats["rows"]) == (1, batch * nodes)
-            assert stats["requests"] == len(live)
-            # the compiled call takes the batch exactly when it is meant for it
-            meant = (
-                probed
-                and all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrays)
-                and words == smollm2.words
-            )
-            assert any(taken) == meant
-            event(f"one compiled call: {meant}")
-            if meant:
-                want_slow = len(live) if get_slow_grammar_threshold() else 0
-                assert stats["slow_requests"] == want_slow
-    finally:
-        set_slow_grammar_threshold(None)
-    after = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
-    assert after == before
+                mask, valid = result if return_valid else (result, None)
+                want = expected_mask(requests, nt, ns, dt, vocab_size, smollm2.words)
+                np.testing.assert_array_equal(mask, want)
+                assert out is None or mask is out
+                if return_valid:
+                    want_valid = expected_valid(requests, nt, ns, dt, vocab_size, smollm2.words)
+                    np.testing.assert_array_equal(valid, want_valid)
+                stats = ps.grammar_stats()
+                counts = expected_node_counts(requests, nt, ns, dt, vocab_size, smollm2.words)
+                assert (stats["checked_nodes"], stats["rejected_nodes"]) == counts
+                assert (stats["builds"], stats["rows"]) == (1, batch * nodes)
+                assert stats["requests"] == len(live)
+                # the compiled call takes the batch exactly when it is meant for it
+                meant = (
+                    probed
+                    and all(a.dtype == np.int64 and a.flags.c_contiguous for a in arrays)
+                    and words == smollm2.words
+                )
+                assert any(taken) == meant
+                event(f"one compiled call: {meant}")
+                if meant:
+                    want_slow = len(live) if get_slow_grammar_threshold() else 0
+                    assert stats["slow_requests"] == want_slow
+        finally:
+            set_slow_grammar_threshold(None)
+        after = [None if m is None else matcher_state(m, probes, smollm2.words) for m in matchers]
+        assert after == before
 
 
 def _known(matcher) -> bool:

@@ -39,8 +39,47 @@ def test_strided_float64_logits_in_place():
 
 
 def test_mask_must_be_a_tensor():
-    with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
+    """A mask of another framework is refused with the way to get the right one."""
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor") as refused:
         ps.apply_vocab_mask(torch.zeros(2, 32), np.zeros((2, 1), np.int32))
+    assert "device=logits.device" in str(refused.value)
+    assert "torch.from_numpy(mask)" in str(refused.value)
+    with pytest.raises(TypeError, match="mask must be a numpy array") as refused:
+        ps.apply_vocab_mask(np.zeros((2, 32), np.float32), torch.zeros((2, 1), dtype=torch.int32))
+    assert "mask.numpy()" in str(refused.value)
+
+
+@pytest.mark.parametrize("constructor", ["from_host", "from_device", "from_linear_chain",
+                                         "from_packed_chains", "from_host_mixed"])  # fmt: skip
+def test_every_constructor_of_cpu_tensors_gives_a_torch_mask(smollm2, constructor):
+    """The mask is of the framework of the arrays the tree was made of, whichever
+    constructor made it: torch CPU tensors give a torch CPU mask (numpy arrays among them do
+    not change that), one that applies to torch logits; the rows are the replay's."""
+    draft = torch.tensor([[0, 90, 91], [0, 90, 92]])
+    links = torch.tensor([[1, 2, -1]] * 2), torch.full((2, 3), -1)
+    if constructor == "from_host":
+        tree = ps.GrammarTree.from_host(*links, draft)
+    elif constructor == "from_host_mixed":
+        tree = ps.GrammarTree.from_host(links[0].numpy(), links[1].tolist(), draft)
+    elif constructor == "from_device":
+        tree = ps.GrammarTree.from_device(*links, draft)
+    elif constructor == "from_linear_chain":
+        tree = ps.GrammarTree.from_linear_chain(draft)
+    else:
+        tree = ps.GrammarTree.from_packed_chains(draft.reshape(-1), np.array([0, 3, 6]))
+    assert tree.backend.name == "torch"
+    grammar = smollm2.grammars["json_schema"]
+    mask = ps.build_grammar_vocab_mask(
+        [xgr.GrammarMatcher(grammar) for _ in range(2)], tree, smollm2.size
+    )
+    assert isinstance(mask, torch.Tensor) and mask.device.type == "cpu"
+    requests = [Request(grammar)] * 2
+    want = expected_mask(requests, links[0].numpy(), links[1].numpy(), draft.numpy(),
+                         smollm2.size, smollm2.words)  # fmt: skip
+    np.testing.assert_array_equal(mask.numpy(), want)
+    ps.apply_vocab_mask(torch.zeros(6, smollm2.size), mask)
+    numpy_tree = ps.GrammarTree.from_host(links[0].numpy(), links[1].numpy(), draft.numpy())
+    assert numpy_tree.backend.name == "numpy"
 
 
 def test_one_row_logits_and_masks():

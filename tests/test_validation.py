@@ -238,6 +238,9 @@ def test_bad_grammars(smollm2, recording):
         (1.5, TypeError, "vocab_size must be an int, got float"),
         (True, TypeError, "vocab_size must be an int, got bool"),
         ("49152", TypeError, "vocab_size must be an int, got str"),
+        (2**31, ValueError, r"vocab_size = 2147483648 is past portable_spec.MAX_VOCAB_SIZE"),
+        (10**12, ValueError, r"vocab_size = 1000000000000 is past portable_spec.MAX_VOCAB_SIZE"),
+        (np.int64(2**21 + 1), ValueError, r"vocab_size = 2097153 is past .*MAX_VOCAB_SIZE"),
         (1000, ValueError, r"vocab_size = 1000 is smaller than the vocabulary of matchers\[0\]"),
         (49120, ValueError, r"vocab_size = 49120 is smaller than the vocabulary of matchers\[0\]"),
     ],
@@ -250,6 +253,59 @@ def test_bad_vocab_size(smollm2, recording, vocab_size, error, pattern):
     with pytest.raises(error, match=pattern):
         ps.build_grammar_vocab_mask([xm, pm], _tree(), vocab_size)
     _assert_untouched(xm, pm, smollm2, before)
+
+
+def test_vocab_size_limit(smollm2, recording):
+    """The largest vocabulary a build takes is documented and leaves real ones room (the
+    largest of released models: 262,144 tokens); chains and draft lists refuse past it too,
+    before any matcher moves and before any mask is allocated."""
+    xm, pm = recording
+    assert ps.MAX_VOCAB_SIZE == 2**21 and ps.MAX_VOCAB_SIZE >= 8 * 262_144
+    before = matcher_state(xm, [0, 1, 2, 90], smollm2.words)
+    chains = ps.GrammarTree.from_linear_chain(np.zeros((2, 3), np.int64))
+    for build in (
+        lambda v: ps.build_host_bitmask([xm, pm], chains, v),
+        lambda v: ps.build_chain_bitmask([xm, pm], [[90], [91]], v),
+        lambda v: ps.build_grammar_vocab_mask([xm, pm], chains, v, wait=False),
+    ):
+        with pytest.raises(ValueError, match="past portable_spec.MAX_VOCAB_SIZE = 2097152"):
+            build(ps.MAX_VOCAB_SIZE + 1)
+    _assert_untouched(xm, pm, smollm2, before)
+    # the limit itself is a vocabulary (of padded logits past the matchers' own)
+    mask = ps.build_host_bitmask([None, xgr.GrammarMatcher(smollm2.grammars["regex"])],
+                                 _tree(), ps.MAX_VOCAB_SIZE)  # fmt: skip
+    assert mask.shape == (6, ps.MAX_VOCAB_SIZE // 32)
+
+
+@pytest.mark.parametrize("entry", ["host", "chains", "device", "device-pending"])
+@pytest.mark.parametrize("value", ["yes", 1, None, np.bool_(True)])
+def test_return_valid_must_be_a_bool(smollm2, recording, entry, value):
+    """As ``wait=``: ``return_valid`` of another type is refused by name, before anything."""
+    xm, pm = recording
+    before = matcher_state(xm, [0, 1, 2, 90], smollm2.words)
+    builds = {
+        "host": lambda: ps.build_host_bitmask([xm, pm], _tree(), smollm2.size, return_valid=value),
+        "chains": lambda: ps.build_chain_bitmask(
+            [xm, pm], [[90], [91]], smollm2.size, return_valid=value
+        ),
+        "device": lambda: ps.build_grammar_vocab_mask(
+            [xm, pm], _tree(), smollm2.size, return_valid=value
+        ),
+        "device-pending": lambda: ps.build_grammar_vocab_mask(
+            [xm, pm], _tree(), smollm2.size, return_valid=value, wait=False
+        ),
+    }
+    with pytest.raises(TypeError, match=f"return_valid must be a bool, got {type(value).__name__}"):
+        builds[entry]()
+    _assert_untouched(xm, pm, smollm2, before)
+
+
+@pytest.mark.parametrize("capacity", [-1, 0, -(2**40)])
+def test_row_capacity_must_be_positive(smollm2, recording, capacity):
+    xm, pm = recording
+    with pytest.raises(ValueError, match=f"row_capacity must be positive, got {capacity}"):
+        ps.build_grammar_vocab_mask([xm, pm], _tree(), smollm2.size, row_capacity=capacity)
+    assert pm.calls == []
 
 
 def test_protocol_matcher_vocab_larger_than_model(smollm2, recording):

@@ -60,7 +60,13 @@ def apply_vocab_mask_torch(
                 logits[..., banned:].fill_(float("-inf"))
         return logits
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor for torch logits, got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be a torch.Tensor for torch logits, got {type(mask).__name__}: a mask "
+            "is of the framework of the tree it was built over (a tree of torch tensors, CPU "
+            "ones included, gives torch masks); pass device=logits.device to "
+            "build_grammar_vocab_mask for a torch mask whatever the tree, or convert this one "
+            "(torch.from_numpy(mask) for a numpy mask)"
+        )
     if not logits.is_floating_point():
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
     if mask.dtype != torch.int32:
@@ -157,6 +163,9 @@ def apply_compact_mask_torch(
     if not isinstance(rows, torch.Tensor) or not isinstance(bits, torch.Tensor):
         raise TypeError(
             f"the CompactMask must hold torch tensors for torch logits, got {type(bits).__name__}"
+            ": a mask is of the framework of the tree it was built over (a tree of torch "
+            "tensors gives torch masks); pass device=logits.device to build_grammar_vocab_mask "
+            "for a torch mask whatever the tree"
         )
     if not logits.is_floating_point():
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")

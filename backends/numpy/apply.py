@@ -31,6 +31,14 @@ def unpack_bitmask(mask: np.ndarray, vocab: int) -> np.ndarray:
     return allowed
 
 
+def _check_writable(logits: np.ndarray) -> None:
+    if not logits.flags.writeable:
+        raise ValueError(
+            "logits are read-only: apply_vocab_mask writes -inf into numpy logits in place; "
+            "pass a writable array (np.array(logits) is a writable copy)"
+        )
+
+
 def apply_vocab_mask_numpy(
     logits: np.ndarray, mask: np.ndarray | None, vocab_size: int | None = None
 ) -> np.ndarray:
@@ -39,8 +47,10 @@ def apply_vocab_mask_numpy(
     ``logits``: writable floating ``[rows, vocab]`` or ``[vocab]``; ``mask``: int32
     ``[rows, words]`` or ``[words]`` covering every column (``32 * words >= vocab``), or
     ``None`` with ``vocab_size``. ``vocab_size``: columns at or past it are set to ``-inf``
-    in every row (see :func:`portable_spec.apply_vocab_mask`). Synchronous.
+    in every row (see :func:`portable_spec.apply_vocab_mask`). Synchronous. Read-only logits:
+    ``ValueError``.
     """
+    _check_writable(logits)
     if mask is None:
         logits_2d = logits.reshape(1, -1) if logits.ndim == 1 else logits
         _, banned = apply_columns(logits_2d.shape[-1], None, vocab_size)
@@ -48,7 +58,12 @@ def apply_vocab_mask_numpy(
             logits_2d[:, banned:] = -np.inf
         return logits
     if not isinstance(mask, np.ndarray):
-        raise TypeError(f"mask must be a numpy array for numpy logits, got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be a numpy array for numpy logits, got {type(mask).__name__}: a mask "
+            "is of the framework of the tree it was built over (GrammarTree.from_host of numpy "
+            "arrays or lists gives numpy masks; build_host_bitmask always does); or convert "
+            "this one (mask.numpy() for a CPU tensor, np.asarray(mask) for a JAX array)"
+        )
     if not np.issubdtype(logits.dtype, np.floating):
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")
     if mask.dtype != np.int32:
@@ -77,12 +92,15 @@ def apply_compact_mask_numpy(
 
     ``logits``: writable floating ``[mask.num_rows, vocab]`` (or ``[vocab]`` when ``num_rows``
     is 1); ``mask``: a :class:`CompactMask` of numpy int32 arrays whose rows cover every
-    column (or ``vocab_size``). Synchronous.
+    column (or ``vocab_size``). Synchronous. Read-only logits: ``ValueError``.
     """
+    _check_writable(logits)
     rows, bits = mask.rows, mask.bits
     if not isinstance(rows, np.ndarray) or not isinstance(bits, np.ndarray):
         raise TypeError(
             f"the CompactMask must hold numpy arrays for numpy logits, got {type(bits).__name__}"
+            ": a mask is of the framework of the tree it was built over (a tree of numpy "
+            "arrays gives numpy masks; build_host_bitmask always does)"
         )
     if not np.issubdtype(logits.dtype, np.floating):
         raise TypeError(f"logits must have a floating dtype, got {logits.dtype}")

@@ -45,7 +45,8 @@ def build_host_bitmask(
             :class:`portable_spec.GrammarMatcherLike`. Each matcher must be in the state after
             the request's committed tokens (node 0's token included).
         tree: the batch's verify trees (:class:`portable_spec.GrammarTree`).
-        vocab_size: the model's vocabulary size (the logits' width); at least each matcher's.
+        vocab_size: the model's vocabulary size (the logits' width); at least each matcher's,
+            at most :data:`portable_spec.MAX_VOCAB_SIZE`.
         out: optional C-contiguous int32 ``[batch * nodes, ceil(vocab_size / 32)]`` buffer to
             write into instead of allocating (compact: a :class:`CompactMask` of numpy arrays
             with room for every row the build may list: ``max_rows``, or the rows of the

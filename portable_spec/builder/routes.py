@@ -45,8 +45,10 @@ from portable_spec.grammars import (
     matcher_kind,
 )
 from portable_spec.masks import (
+    MAX_VOCAB_SIZE,
     check_compact_out,
     check_dense_out,
+    check_flag,
     check_layout,
     check_vocab_size,
     words_for,
@@ -118,6 +120,7 @@ SPLIT_PART_WORK = 32_768
 #: hand-off and the pass that tells which rows it wrote cost more: 16-node chains of the JSON
 #: schema at 49k, 86 against 215 µs at batch 1, 408 against 597 at 8, even at 32 requests).
 EXECUTOR_WORK = 1_048_576
+_MAX = MAX_VOCAB_SIZE  # the fast paths leave larger sizes to the checks
 
 
 def work(rows: int, words: int) -> int:
@@ -185,7 +188,7 @@ class Call:
     def plain_words(self) -> int:
         """The mask's words per row when ``vocab_size`` is a plain positive int, else 0."""
         vocab_size = self.vocab_size
-        return (vocab_size + 31) >> 5 if type(vocab_size) is int and vocab_size > 0 else 0
+        return (vocab_size + 31) >> 5 if type(vocab_size) is int and 0 < vocab_size <= _MAX else 0
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,9 @@ def _lists(
     """The "chain lists" row's build over the call's arguments as given (``None``: declined,
     nothing written, no matcher moved)."""
     threads = get_num_threads()
-    words = (vocab_size + 31) >> 5 if type(vocab_size) is int and vocab_size > 0 else 0
+    if type(vocab_size) is not int or not 0 < vocab_size <= _MAX:
+        return None  # (the checks say what is wrong)
+    words = (vocab_size + 31) >> 5
     parts_from = _nodes_for(ONE_THREAD_WORK, words) if words and threads > 1 else 0
     return build_lists(
         grammars, drafts, vocab_size, rows_per_request, out, reasoning, return_valid,
@@ -284,12 +289,12 @@ def _one_call(
     request SPLIT_WORK or more) or the compiled call declines (nothing written, no matcher
     moved)."""
     arrays = tree.host_inputs()
-    if arrays is None:
-        return None
+    if arrays is None or type(vocab_size) is not int or not 0 < vocab_size <= _MAX:
+        return None  # (the checks say what is wrong)
     if _first_kind(grammars) == LLGUIDANCE:  # llguidance holds the GIL: one thread always
         return small_llguidance.in_place(grammars, arrays, vocab_size, out, return_valid)
-    words = (vocab_size + 31) >> 5 if type(vocab_size) is int and vocab_size > 0 else 0
-    if not words or work(tree.rows, words) >= ONE_THREAD_WORK:
+    words = (vocab_size + 31) >> 5
+    if work(tree.rows, words) >= ONE_THREAD_WORK:
         return None
     nodes = tree.nodes
     if not (tree.is_chain or tree.is_packed) and work(nodes, words) >= SPLIT_WORK:
@@ -558,6 +563,7 @@ def build_tree(
     """:func:`portable_spec.build_host_bitmask`: a plain dense call first tries the table's
     "one call" row over the arguments as given (the common small call: one compiled call, no
     :class:`Call` made, which costs microseconds with cold caches), then the rows after it."""
+    check_flag("return_valid", return_valid)
     first = 0
     if reasoning is None and layout == "dense" and max_rows is None:
         done = _one_call(matchers, tree, vocab_size, out, return_valid)
@@ -580,6 +586,7 @@ def build_chains(
     """:func:`portable_spec.build_chain_bitmask`: the table's first row, "chain lists", called
     over the arguments as given (the common call: one compiled call, no :class:`Call` made,
     which costs microseconds with cold caches), then the rows after it over the lists' tree."""
+    check_flag("return_valid", return_valid)
     done = _lists(matchers, drafts, vocab_size, rows_per_request, out, reasoning, return_valid)
     if done is not None:
         return done

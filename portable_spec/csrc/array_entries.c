@@ -263,10 +263,11 @@ done:
 
 /* chain_live's arguments, held. */
 typedef struct {
-    Array target, rows, tokens, usable, ended;
+    Array target, rows, tokens, usable, ended, ends;
 } LiveArgs;
 
 static void live_args_release(LiveArgs *a) {
+    array_release(&a->ends);
     array_release(&a->ended);
     array_release(&a->usable);
     array_release(&a->tokens);
@@ -274,20 +275,22 @@ static void live_args_release(LiveArgs *a) {
     array_release(&a->target);
 }
 
-static int live_args_get(PyObject *const objs[5], LiveArgs *a) {
+static int live_args_get(PyObject *const objs[6], LiveArgs *a) {
     memset(a, 0, sizeof(*a));
     if (array_get(objs[0], &a->target, 0, 'i', 4, 2, "target") != 0 ||
         array_get(objs[1], &a->rows, 0, 'i', 8, 2, "rows") != 0 ||
         array_get(objs[2], &a->tokens, 0, 'i', 8, 2, "tokens") != 0 ||
         array_get(objs[3], &a->usable, 0, 'i', 8, 1, "usable") != 0 ||
-        array_flags(objs[4], &a->ended, a->rows.view.shape[0]) != 0) {
+        array_flags(objs[4], &a->ended, a->rows.view.shape[0]) != 0 ||
+        array_get(objs[5], &a->ends, 0, '?', 1, 2, "ends") != 0) {
         live_args_release(a);
         return -1;
     }
     Py_ssize_t count = a->rows.view.shape[0], nodes = a->rows.view.shape[1];
     if (a->tokens.view.shape[0] != count || a->tokens.view.shape[1] != nodes - 1 ||
+        a->ends.view.shape[0] != count || a->ends.view.shape[1] != nodes - 1 ||
         a->usable.view.shape[0] != count || a->target.view.shape[1] < 1) {
-        PyErr_SetString(PyExc_ValueError, "chain_live: rows [count, nodes], tokens "
+        PyErr_SetString(PyExc_ValueError, "chain_live: rows [count, nodes], tokens and ends "
                                           "[count, nodes - 1], usable and ended [count]");
         live_args_release(a);
         return -1;
@@ -326,12 +329,11 @@ static Py_ssize_t live_drafts(const LiveArgs *a, Py_ssize_t k) {
 
 static PyObject *chain_live(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *objs[5];
+    PyObject *objs[6];
     int first_word, last_word;
-    Py_ssize_t most;
     LiveArgs a;
-    if (!PyArg_ParseTuple(args, "OOOOOiin", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
-                          &first_word, &last_word, &most) ||
+    if (!PyArg_ParseTuple(args, "OOOOOOii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &first_word, &last_word) ||
         live_args_get(objs, &a) != 0)
         return NULL;
     Py_ssize_t count = a.rows.view.shape[0], nodes = a.rows.view.shape[1];
@@ -339,6 +341,7 @@ static PyObject *chain_live(PyObject *self, PyObject *args) {
     PyObject *live = PyList_New(count), *checks = PyList_New(0), *result = NULL;
     if (live == NULL || checks == NULL) goto done;
     const uint8_t *stopped = (const uint8_t *)a.ended.view.buf;
+    const uint8_t *ends = (const uint8_t *)a.ends.view.buf;
     for (Py_ssize_t k = 0; k < count; k++) {
         Py_ssize_t n = live_drafts(&a, k);
         PyObject *value = PyLong_FromSsize_t(n);
@@ -346,17 +349,15 @@ static PyObject *chain_live(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(live, k, value);
         if (stopped[k]) continue;
         const int64_t *r = (const int64_t *)a.rows.view.buf + k * nodes;
-        const int64_t *d = (const int64_t *)a.tokens.view.buf + k * (nodes - 1);
-        for (Py_ssize_t i = 0; i < n; i++) { /* rows to decide on a fork */
+        const uint8_t *end_of = ends + k * (nodes - 1);
+        for (Py_ssize_t i = 0; i < n; i++) { /* drafts to decide on a fork */
             const int32_t *own = target_row(&a, r[i + 1]);
             if (own == NULL) continue;
-            int64_t token = d[i];
             int intact = own[0] == first_word && own[width - 1] == last_word;
-            int sparse = ps_row_allows(own, token, width) &&
-                         ps_nonzero_words(own, width, most) <= most;
-            if (!intact && !sparse) continue;
+            int end = end_of[i] != 0;
+            if (!intact && !end) continue;
             PyObject *item = Py_BuildValue("nnOO", k, i, intact ? Py_True : Py_False,
-                                           sparse ? Py_True : Py_False);
+                                           end ? Py_True : Py_False);
             if (item == NULL || PyList_Append(checks, item) != 0) {
                 Py_XDECREF(item);
                 goto done;

@@ -53,7 +53,7 @@
 #include "llguidance_entries.c"
 #include "guidance.c"
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -74,7 +74,7 @@ static PyMethodDef methods[] = {
      "repair_chains(rows, tokens, spans, limit, stop_ids, repeat) -> (checked, rejected) (GIL "
      "released)."},
     {"chain_live", chain_live, METH_VARARGS,
-     "chain_live(target, rows, tokens, usable, ended, first_word, last_word, most) -> (live, "
+     "chain_live(target, rows, tokens, usable, ended, ends, first_word, last_word) -> (live, "
      "checks)."},
     {"xgrammar_bind", xgrammar_bind, METH_VARARGS,
      "xgrammar_bind(call, move_error, decref, traverse, is_terminated, type_index)."},

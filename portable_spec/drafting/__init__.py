@@ -18,11 +18,12 @@ Node ids: the root is node 0; the ``k`` nodes of a level get the next ``k`` ids,
 for every request (``session.nodes`` before the call is the first). A parent of -1 marks a
 padding slot (no node: all-allowed row, never valid).
 
-Each live node's grammar state is kept (a matcher fork for xgrammar, llguidance and protocol
-matchers with ``fork()``; see :mod:`portable_spec.engines` for matchers that cannot
-fork), so a level costs work proportional to its new nodes, and the session's matchers are
-never moved. What is kept is released by :meth:`DraftSession.close` (the ``with`` block's
-end, also when it raises).
+xgrammar requests get a level's rows from one compiled walk of their tree so far (levels added
+without masks are walked together); for the other engines each live node's grammar state is
+kept (a fork for llguidance and protocol matchers with ``fork()``; see
+:mod:`portable_spec.engines` for matchers that cannot fork), so a level costs work
+proportional to its new nodes. The session's matchers are never moved. What is kept is
+released by :meth:`DraftSession.close` (the ``with`` block's end, also when it raises).
 
 The rows follow the row contract of :func:`portable_spec.build_host_bitmask`, node by node:
 the verify mask of any subtree of the drafted tree (:meth:`DraftSession.verify_mask`) is

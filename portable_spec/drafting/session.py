@@ -11,13 +11,19 @@ from typing import Any
 import numpy as np
 
 from portable_spec.backend import Backend, MaskLayout
+from portable_spec.builder import build_host_bitmask
 from portable_spec.delivery import built_rows, deliver, plan, resolve_target, settle_dense
 from portable_spec.drafting.levels import check_depths, check_parents, node_states, run_states
-from portable_spec.drafting.trees import StagedColumns, check_selection, selection_tree
+from portable_spec.drafting.trees import (
+    StagedColumns,
+    check_selection,
+    links_from_parents,
+    selection_tree,
+)
 from portable_spec.drafting.vocab import DraftVocab
 from portable_spec.engines.base import NodeStates
 from portable_spec.errors import MatcherError
-from portable_spec.grammars import NONE, classify_grammars
+from portable_spec.grammars import NONE, XGRAMMAR, classify_grammars
 from portable_spec.hostbuffers import HostBuffer, HostBufferPool
 from portable_spec.masks import ALL_ALLOWED, check_vocab_size, words_for
 from portable_spec.pending import check_not_pending
@@ -94,6 +100,11 @@ class DraftSession:
         self._kinds = kinds
         self._grammars = list(matchers)
         self._constrained = [b for b, kind in enumerate(kinds) if kind != NONE]
+        # xgrammar requests: a level's rows from one compiled walk of the tree so far (a fork,
+        # an accept and a fill per node from Python cost several times more); the others:
+        # their engine's draft states, node by node
+        self._walked = [b for b in self._constrained if kinds[b] == XGRAMMAR]
+        self._forked = [b for b in self._constrained if kinds[b] != XGRAMMAR]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
@@ -290,22 +301,33 @@ class DraftSession:
         return self._deliver(self._rows[:, first : first + k], layout, draft=True)
 
     def _flush(self) -> None:
-        """Compute the rows of levels added with ``masks=False``."""
-        if self._pending:
-            check_not_pending(self._grammars)  # nothing dropped: the caller may retry
-        while self._pending:
-            first, staged = self._pending[0]
-            try:
-                self._add_level(first, staged, pending=True)
-            except BaseException:
-                # this level and the ones after it are dropped
-                self._nodes = first
-                self._levels -= len(self._pending)
-                self._pending.clear()
-                raise
-            self._pending.pop(0)
+        """Compute the rows of levels added with ``masks=False`` (the walked requests' rows of
+        all of them in one walk)."""
+        if not self._pending:
+            return
+        check_not_pending(self._grammars)  # nothing dropped: the caller may retry
+        start, count = self._pending[0][0], len(self._pending)
+        try:
+            while self._pending:
+                first, staged = self._pending[0]
+                self._add_level(first, staged, pending=True, walk=False)
+                self._pending.pop(0)
+            t0 = time.perf_counter()
+            self._walk(start, self._nodes)
+            self.timings["grammar_s"] += time.perf_counter() - t0
+        except BaseException:
+            # these levels are dropped
+            for states in self._states:
+                if states is not None:
+                    states.discard(start)
+            self._nodes = start
+            self._levels -= count
+            self._pending.clear()
+            raise
 
-    def _add_level(self, first: int, staged: StagedColumns, *, pending: bool = False) -> None:
+    def _add_level(
+        self, first: int, staged: StagedColumns, *, pending: bool = False, walk: bool = True
+    ) -> None:
         t0 = time.perf_counter()
         parents, tokens = staged.resolve()
         t1 = time.perf_counter()
@@ -341,7 +363,7 @@ class DraftSession:
             live[unconstrained] = ~pad[unconstrained]
         run_states(
             self._states,
-            self._constrained,
+            self._forked,
             self._rows,
             self._parents,
             self._tokens,
@@ -358,12 +380,45 @@ class DraftSession:
             block[unconstrained] = ALL_ALLOWED
         self._valid[:, columns] = valid
         self._live[:, columns] = live
+        if walk:
+            try:
+                self._walk(first, first + k)
+            except BaseException:
+                for states in self._states:
+                    if states is not None:
+                        states.discard(first)
+                raise
         if not pending:
             self._nodes = first + k
             self._levels += 1
         self.timings["levels"] += 1
         self.timings["wait_s"] += t1 - t0
         self.timings["grammar_s"] += time.perf_counter() - t1
+
+    def _walk(self, start: int, end: int) -> None:
+        """The walked requests' rows, ``valid`` and ``live`` for nodes ``start .. end - 1``
+        (their parents and tokens written): one compiled walk of each request's tree of nodes
+        ``0 .. end - 1``. A node is live when accepted and its row is the grammar's: the walk
+        leaves terminated nodes all-allowed, and a live all-allowed row (a grammar allowing
+        every token) has nothing to mask nor to force."""
+        sub = self._walked
+        if not sub or end <= start:
+            return
+        parents = self._parents[sub, :end]
+        next_token, next_sibling = links_from_parents(parents)
+        tree = GrammarTree.from_host(next_token, next_sibling, self._tokens[sub, :end])
+        try:
+            mask, valid = build_host_bitmask(
+                [self._grammars[b] for b in sub], tree, self.vocab_size, return_valid=True
+            )
+        except MatcherError as exc:
+            raise MatcherError(sub[exc.request_index], exc.error) from exc.error
+        index = np.asarray(sub)
+        rows = mask.reshape(len(sub), end, self.words)[:, start:end]
+        fresh = valid[:, start:end]
+        self._valid[index, start:end] = fresh
+        self._live[index, start:end] = fresh & (rows != ALL_ALLOWED).any(axis=2)
+        self._rows[index, start:end] = rows
 
     # -- the verify mask ----------------------------------------------------------------------
     def _selection(self, select: Any) -> np.ndarray:

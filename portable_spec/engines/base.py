@@ -31,6 +31,8 @@ class MatcherInfo:
             when it was probed (0: the compiled helper cannot call its methods).
         max_depth: how deep a tree the matcher can walk and still roll back to where it
             started (outlines-core's ``max_rollback``); None when unbounded.
+        end_ids: llguidance only: its tokenizer's end tokens, sorted int64 (each of them may
+            end the text); None when they could not be read.
     """
 
     words: int
@@ -39,6 +41,7 @@ class MatcherInfo:
     stop_set: frozenset[int] = frozenset()
     handle: int = 0
     max_depth: int | None = None
+    end_ids: np.ndarray | None = None
 
 
 class IdentityCache(Generic[T]):

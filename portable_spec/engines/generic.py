@@ -160,8 +160,26 @@ class ForkStates(NodeStates):
     def forced(
         self, node: int, parents: np.ndarray, tokens: np.ndarray, rows: np.ndarray, most: int
     ) -> list[int]:
-        find = getattr(self.states[node], "find_jump_forward_tokens", None)
+        state = self._state_at(node, parents, tokens)
+        find = getattr(state, "find_jump_forward_tokens", None)
         return [int(t) for t in find()][:most] if callable(find) else []
+
+    def _state_at(self, node: int, parents: np.ndarray, tokens: np.ndarray) -> Any:
+        """The fork at live ``node``: kept, or (a node whose rows a compiled walk computed)
+        forked from its nearest kept ancestor and moved down its path, then kept."""
+        state = self.states.get(node)
+        if state is not None:
+            return state
+        path = []
+        at = node
+        while at not in self.states:
+            path.append(at)
+            at = int(parents[at])
+        state = self.states[at].fork()
+        for step in reversed(path):
+            state.accept_token(int(tokens[step]))
+        self.states[node] = state
+        return state
 
     def discard(self, first: int) -> None:
         for node in [n for n in self.states if n >= first]:

@@ -7,15 +7,17 @@ Facts of llguidance (1.x) this module relies on, each checked by the tests:
   a trace (``try_consume_tokens`` counts 0, ``rollback`` does not see it). In a state that may
   end *or* go on, the end token is consumed for real and ``stop_reason()`` becomes
   ``"EndOfSentence"``. So a node is terminated when its token is allowed and either its
-  parent was stopped or consuming it reports ``"EndOfSentence"``; no list of end tokens is
-  needed (an ``LLMatcher`` does not expose its tokenizer). A matcher whose stop reason is
+  parent was stopped or consuming it reports ``"EndOfSentence"``; a walk needs no list of
+  end tokens (an ``LLMatcher`` does not expose its tokenizer). A matcher whose stop reason is
   ``"EndOfSentence"`` at the root is terminated (all its rows all-allowed); one that was
   complete before an end token consumed in the stopped state cannot be told apart from one
   still waiting for it, and gets the end-token-only row.
 * ``consume_token`` of a refused token puts the matcher in an error state it never leaves;
   ``try_consume_tokens`` does not. The walk only consumes tokens the parent's row allows, and
   through ``try_consume_tokens``. A matcher already in the error state is reported as a
-  ``MatcherError`` naming its request.
+  ``MatcherError`` naming its request. In the error state its row allows exactly its
+  tokenizer's end tokens (all of them, however many): the probe reads them off a fork put
+  there.
 * A token id at or past the tokenizer's vocabulary (but inside its mask's last word, or a
   padding id of wider logits) is an error for ``try_consume_tokens``, ``validate_tokens`` and
   the executor alike, one the matcher never leaves either. An ``LLMatcher`` does not expose
@@ -26,7 +28,10 @@ Facts of llguidance (1.x) this module relies on, each checked by the tests:
   executor (``LLExecutor.unsafe_compute_mask_ptr_with_draft_token``) fills whole chains for
   many matchers in parallel in Rust, without moving them: it writes the start state's row and
   one row per draft it accepts, stops at the first draft it refuses (or an end token in a
-  stopped state), and leaves later rows untouched. Chains use it.
+  stopped state), and leaves later rows untouched. It takes an end token where the text may
+  end like any other and goes on (the next row: the end tokens), so the chain fill finds
+  the drafts that are end tokens by the probe's list and decides each on a fork. Chains use
+  it.
 """
 
 from __future__ import annotations
@@ -106,9 +111,46 @@ def probe_llguidance(matcher: Any, model_words: int) -> MatcherInfo:
         break
     if words is None:
         raise TypeError("could not determine the bitmask width of an llguidance.LLMatcher")
-    info = MatcherInfo(words=words, vocab_size=_vocabulary(matcher, words))
+    info = MatcherInfo(
+        words=words,
+        vocab_size=_vocabulary(matcher, words),
+        end_ids=_end_tokens(matcher, words),
+    )
     _cache.put(matcher, info)
     return info
+
+
+def _end_tokens(matcher: Any, words: int) -> np.ndarray | None:
+    """The end tokens of ``matcher``'s tokenizer (sorted int64), read without moving it.
+
+    A matcher in its error state fills the row of its tokenizer's end tokens only (what
+    llguidance lets a broken request do: stop). A fork is put there by consuming an id past
+    any vocabulary of ``words`` words; its row lists the end tokens. None when the fork did
+    not enter the error state or its row allows nothing (then every allowed draft of a chain
+    is decided on a fork, see :func:`fill_llguidance_chains`)."""
+    fork = matcher.deep_copy()
+    fork.consume_token(32 * words)
+    if not fork.is_error():
+        return None
+    row = np.zeros(words, dtype=np.int32)
+    fork.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    used = np.flatnonzero(row)  # the few words holding end tokens
+    bits = (row[used, None].view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    ends = (used[:, None] * 32 + np.arange(32))[bits == 1].astype(np.int64)
+    if not ends.size:
+        return None
+    with _end_lock:  # one array per set of end tokens: chain fills group by it
+        known = _end_sets.get(ends.tobytes())
+        if known is not None:
+            return known
+        ends.flags.writeable = False
+        # its lookup table: True at each end token; the last entry (False) answers every id
+        # outside [0, max]
+        table = np.zeros(int(ends[-1]) + 2, dtype=bool)
+        table[ends] = True
+        _end_tables[id(ends)] = table
+        _end_sets[ends.tobytes()] = ends
+    return ends
 
 
 def _vocabulary(matcher: Any, words: int) -> int:
@@ -258,15 +300,15 @@ def walk_llguidance_chain(
 # -- chains: llguidance's parallel executor ----------------------------------------------------
 _executors: dict[int, Any] = {}
 _executors_lock = threading.Lock()
+# The end-token sets of the tokenizers probed (as bytes -> the one array of each), and each
+# array's lookup table (by its id: the arrays live as long as the module).
+_end_sets: dict[bytes, np.ndarray] = {}
+_end_tables: dict[int, np.ndarray] = {}
+_end_lock = threading.Lock()
 # Written into two words of every chain row before the executor runs: a row that still holds
 # both afterwards was (almost surely) not written; the rare real row equal to it is told apart
 # exactly on a fork.
 _SENTINEL = (0x2C5A0F1E, 0x71E3A5C9)
-
-
-# A row written after an end token allows the end tokens only: a handful of non-zero words.
-# Only rows that sparse, and allowing their own node's token, are checked on a fork.
-END_ROW_MAX_WORDS = 8
 
 
 def _executor(threads: int) -> Any:
@@ -318,9 +360,10 @@ def fill_llguidance_chains(
     nodes = draft.shape[1]
     words = mask.shape[1]
     requests = list(matchers)
+    infos = [_facts(matchers[b], width) for b in requests]
     # per request: its tokens bounded by its tokenizer's vocabulary (llguidance takes an id
     # past it for an error it never leaves), int64 [count, 1]
-    limit = np.array([[_limit(matchers[b], width, vocab_size)] for b in requests], np.int64)
+    limit = np.array([[min(vocab_size, info.vocab_size)] for info in infos], np.int64)
     count = len(requests)
     direct = width == words  # the executor writes into the mask's own rows
     target = mask if direct else np.empty((count * nodes, width), dtype=np.int32)
@@ -351,7 +394,8 @@ def fill_llguidance_chains(
         )
     for matcher, first in lone:  # the executor wants drafts: a lone start row directly
         matcher.unsafe_compute_mask_ptr(target[first].ctypes.data, width * 4)
-    live_drafts = _live_drafts(matchers, requests, target, rows, tokens, usable, ended)
+    ends = _end_flags(infos, tokens)
+    live_drafts = _live_drafts(matchers, requests, target, rows, tokens, usable, ended, ends)
     # live nodes per request: the root and its live drafts (none when terminated)
     alive = np.where(ended, 0, live_drafts + 1)
     kept = np.arange(nodes)[None, :] < alive[:, None]
@@ -366,12 +410,32 @@ def fill_llguidance_chains(
     return alive
 
 
-def _limit(matcher: Any, width: int, vocab_size: int) -> int:
-    """The bound of ``matcher``'s draft tokens: the model's vocabulary and its tokenizer's."""
+def _facts(matcher: Any, width: int) -> MatcherInfo:
+    """What :func:`probe_llguidance` knows of ``matcher``, a matcher ``width`` words wide."""
     info = _cache.get(matcher)
     if info is None or info.words != width:
         info = probe_llguidance(matcher, width)
-    return min(vocab_size, info.vocab_size)
+    return info
+
+
+def _end_flags(infos: list[MatcherInfo], tokens: np.ndarray) -> np.ndarray:
+    """bool ``[count, drafts]``: whether each draft of ``tokens`` (int64 ``[count, drafts]``)
+    is one of its request's end tokens; True for every draft of a request whose end tokens
+    are not known (each is then decided on a fork)."""
+    first = infos[0].end_ids if infos else None
+    if first is not None and all(info.end_ids is first for info in infos):  # one tokenizer
+        table = _end_tables[id(first)]
+        return table[np.clip(tokens, -1, table.size - 1)]
+    groups: dict[int, list[int]] = {}
+    for k, info in enumerate(infos):
+        key = -1 if info.end_ids is None else id(info.end_ids)
+        groups.setdefault(key, []).append(k)
+    flags = np.ones(tokens.shape, dtype=bool)
+    for key, members in groups.items():
+        if key != -1:
+            table = _end_tables[key]
+            flags[members] = table[np.clip(tokens[members], -1, table.size - 1)]
+    return flags
 
 
 def _chain_counts(
@@ -406,40 +470,49 @@ def _live_drafts(
     tokens: np.ndarray,
     usable: np.ndarray,
     ended: np.ndarray,
+    ends: np.ndarray,
 ) -> np.ndarray:
     """Per request, how many leading drafts are live: the executor wrote their row, and they
-    are not an end token. A draft stops the chain when the parent's row refuses it; a row still
-    holding the sentinel after an allowed draft, or a sparse row allowing its own token, is
-    decided on a fork (an end token, or a coincidence)."""
+    do not end the text. A draft stops the chain when the parent's row refuses it; an allowed
+    draft whose row still holds the sentinel, or which is an end token (``ends``, bool
+    ``[count, drafts]``), is decided on a fork: the executor takes an end token where the
+    text may end, writes its row (the end tokens) and goes on, as it stops without a row at
+    one after a complete grammar; a row equal to the sentinel by coincidence is kept."""
     count, drafts = tokens.shape
     if drafts == 0:
         return np.zeros(count, dtype=np.int64)
     done = compiled.chain_live(  # the same decisions in one compiled pass, when built
         target, np.ascontiguousarray(rows), np.ascontiguousarray(tokens), usable,
-        np.ascontiguousarray(ended), _SENTINEL, END_ROW_MAX_WORDS,
+        np.ascontiguousarray(ended), np.ascontiguousarray(ends), _SENTINEL,
     )  # fmt: skip
     if done is not None:
         live, checks = np.array(done[0], dtype=np.int64), done[1]
     else:
-        live, checks = _live_by_numpy(target, rows, tokens, usable, ended)
-    for k, i, intact, sparse in checks:
+        live, checks = _live_by_numpy(target, rows, tokens, usable, ended, ends)
+    for k, i, intact, end in checks:
         if ended[k] or i >= live[k]:
             continue
         matcher = matchers[requests[k]]
         path = tokens[k, : i + 1].tolist()
         if intact and _stopped_at(matcher, path[:-1]):
             live[k] = i  # an end token after a complete grammar: nothing written
-        elif sparse and _ends(matcher, path):
-            live[k] = i  # an end token: its row holds the end tokens only
+        elif end and _ends(matcher, path):
+            live[k] = i  # an end token taken where the text may end
     return live
 
 
 def _live_by_numpy(
-    target: np.ndarray, rows: np.ndarray, tokens: np.ndarray, usable: np.ndarray, ended: np.ndarray
+    target: np.ndarray,
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    usable: np.ndarray,
+    ended: np.ndarray,
+    ends: np.ndarray,
 ) -> tuple[np.ndarray, list[tuple[int, int, bool, bool]]]:
     """What the compiled ``chain_live`` computes, with numpy: the drafts each request's
-    parents' rows allow, and the ``(request, draft, intact, sparse)`` rows to decide on a fork
-    (none for ended requests)."""
+    parents' rows allow, and the ``(request, draft, intact, end)`` of each allowed draft to
+    decide on a fork: its row still holds the sentinel, or ``ends`` flags it (none for ended
+    requests)."""
     drafts = tokens.shape[1]
     limit = 32 * target.shape[1]
     safe = np.clip(tokens, 0, limit - 1)
@@ -447,26 +520,11 @@ def _live_by_numpy(
     parents, own_rows = rows[:, :-1], rows[:, 1:]
     allowed = (target[parents, word] >> bit) & 1 == 1
     allowed &= np.arange(drafts)[None, :] < usable[:, None]
-    own = (target[own_rows, word] >> bit) & 1 == 1
     intact = (target[own_rows, 0] == _SENTINEL[0]) & (target[own_rows, -1] == _SENTINEL[1])
     live = np.where(allowed.all(axis=1), drafts, (~allowed).argmax(axis=1))
     before_stop = np.arange(drafts)[None, :] < live[:, None]
-    sparse = own & before_stop
-    if sparse.any():  # an end token's row has at most END_ROW_MAX_WORDS non-zero words
-        where = np.nonzero(sparse)
-        # distinct words (a narrow row would repeat some): never more than the row counts
-        sample = np.unique(
-            np.linspace(0, target.shape[1] - 1, 2 * END_ROW_MAX_WORDS + 1).astype(np.int64)
-        )
-        candidate = np.count_nonzero(target[own_rows[where][:, None], sample], axis=1)
-        candidate = candidate <= END_ROW_MAX_WORDS
-        sparse[where] = candidate
-        if candidate.any():  # confirm on whole rows
-            rows_left = own_rows[where][candidate]
-            full = np.count_nonzero(target[rows_left], axis=1) <= END_ROW_MAX_WORDS
-            sparse[where[0][candidate], where[1][candidate]] = full
-    pick = (intact | sparse) & before_stop & ~ended[:, None]
-    checks = [(k, i, bool(intact[k, i]), bool(sparse[k, i])) for k, i in np.argwhere(pick).tolist()]
+    pick = (intact | ends) & before_stop & ~ended[:, None]
+    checks = [(k, i, bool(intact[k, i]), bool(ends[k, i])) for k, i in np.argwhere(pick).tolist()]
     return live, checks
 
 

@@ -9,7 +9,7 @@ Nothing here imports an engine while the variable is off.
 
 from __future__ import annotations
 
-from portable_spec.integrations.patching import read_mode
+from portable_spec.integrations.face import read_mode
 
 __all__ = ["vllm_general_plugins"]
 

@@ -328,3 +328,64 @@ def test_failing_grammar_leaves_the_others_unmoved():
         )  # fmt: skip
     assert _fingerprints([r for i, r in enumerate(reqs) if i != 2], words) == before
     plugin.reset_stats()
+
+
+def _plugin_rows(reqs: list, tree: tuple, vocab: int) -> torch.Tensor:
+    spec = _sgl.spec_utils()
+    with _sgl.plugin_on():
+        got = spec.build_grammar_vocab_mask(
+            reqs=reqs, tree=spec.GrammarTree.from_host(*tree),
+            sampling_info=_sgl.SamplingInfo(vocab), device=DEVICE, barrier=None,
+        )  # fmt: skip
+    return got.vocab_mask.cpu()
+
+
+def _chain(*drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = len(drafts)
+    next_token = torch.tensor([[*range(1, n), -1]], dtype=torch.int64)
+    return next_token, torch.full((1, n), -1, dtype=torch.int64), torch.tensor([drafts])
+
+
+def test_a_negative_draft_id_is_refused_where_sglangs_walk_reads_the_rows_end():
+    """The one deliberate difference (docs/sglang.md). sglang 0.5.23's walk reads a negative
+    draft id as an index from the row's end: -1 is bit 31 of the row's last word. While a
+    ``ReasonerGrammarObject`` is thinking its rows allow every token, so sglang accepts the
+    id and walks on below it (an end token there starts the grammar). The plugin refuses it,
+    as it refuses a token the grammar does not allow: every row below it all-allowed. With an
+    xgrammar grammar whose row has that bit set, sglang's own step raises on the same id,
+    where the plugin refuses the node."""
+    vocab = _sgl.VOCAB
+    words = (vocab + 31) // 32
+    end = int(_sgl.tokenizer().convert_tokens_to_ids("<|im_end|>"))
+    schema = _sgl.grammar("xgrammar", "json_schema")
+    answer_row = torch.full((1, words), -1, dtype=torch.int32)
+    schema.fill_vocab_mask(answer_row, 0)  # the grammar's first row
+    assert int((answer_row != -1).sum()) > 0  # a row that constrains
+
+    # root, -1, the reasoning's end token, a token: sglang's walk and the plugin's rows
+    thinking = _sgl.reasoner(schema, (end,), thinking=True)
+    tree = _chain(100, -1, end, 123)
+    before = _sgl.fingerprint(thinking, words)
+    theirs = _sgl.sglang_rows([_sgl.Req(thinking)], tree, vocab)
+    assert torch.equal(theirs[2], answer_row[0]), "sglang no longer accepts a negative id"
+    ours = _plugin_rows([_sgl.Req(thinking)], tree, vocab)
+    assert _sgl.fingerprint(thinking, words) == before
+    assert torch.equal(ours[0], theirs[0])
+    assert bool((ours[1:] == -1).all()), "the plugin took the negative id as a token"
+
+    # an xgrammar grammar whose row allows the tokenizer's last token (bit 31, last word)
+    inside_a_key = _sgl.grammar("xgrammar", "object")
+    for token in _sgl.tokenizer().encode('{"', add_special_tokens=False):
+        inside_a_key.accept_token(token)
+    assert vocab - 1 in set(_sgl.allowed(inside_a_key, words).tolist())
+    tree = _chain(100, -1, 123)
+    before = _sgl.fingerprint(inside_a_key, words)
+    with pytest.raises(ValueError, match="Tokens not accepted: -1"):  # sglang's own step
+        _sgl.sglang_rows([_sgl.Req(inside_a_key)], tree, vocab)
+    assert _sgl.fingerprint(inside_a_key, words) == before
+    ours = _plugin_rows([_sgl.Req(inside_a_key)], tree, vocab)
+    assert _sgl.fingerprint(inside_a_key, words) == before
+    assert not bool((ours[0] == -1).all()), "the root's row is the grammar's"
+    assert bool((ours[1:] == -1).all())
+    _sgl.COUNTS["steps"] += 2
+    plugin.reset_stats()

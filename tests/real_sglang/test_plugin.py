@@ -7,7 +7,9 @@ with the variable unset nothing of the plugin nor of sglang's speculative code i
 misspelt value is refused by name (sglang logs the plugin's error and goes on without it);
 ``1`` installs the plugin when sglang's speculative utilities are imported, with one log line,
 in every worker module that binds the mask build (imported before the plugin, or after), and
-``uninstall()`` gives every one of them sglang's own function back.
+``uninstall()`` gives every one of them sglang's own function back. The drafting patches
+install when their worker module is imported (one log line each), and
+``PORTABLE_SPEC_SGLANG_DRAFTING`` switches them alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +29,7 @@ pytest.importorskip("sglang")
 import _sgl
 
 from portable_spec.integrations import sglang as plugin
-from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang import internals, state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = [
@@ -71,6 +74,7 @@ FRESH = textwrap.dedent(
         importlib.import_module(name)
     from portable_spec.integrations import sglang as plugin
     out["installed"] = plugin.is_installed()
+    importlib.import_module("sglang.srt.speculative.eagle_worker_v2")
     out["on_lines"] = [m for n, m in records if n.startswith("sglang.portable_spec")]
     def bound(name):
         value = sys.modules[name].build_grammar_vocab_mask
@@ -100,7 +104,11 @@ def test_entry_point_in_a_fresh_process():
     assert out["off_modules"] == [], out["off_modules"]
     assert out["bogus"] and all("'yes'" in m for m in out["bogus"]), out["bogus"]
     assert out["installed"]
-    assert out["on_lines"] == ["portable_spec: sglang 0.5.23 patched (3 functions replaced)"]
+    assert out["on_lines"] == [
+        "portable_spec: sglang 0.5.23 patched (3 functions replaced)",
+        "portable_spec: sglang NGRAM drafting 0.5.23 patched (2 functions replaced)",
+        "portable_spec: sglang EAGLE drafting 0.5.23 patched (8 functions replaced)",
+    ]
     assert all(out["bound"].values()), out["bound"]
     assert not any(out["after"].values()), out["after"]
 
@@ -130,7 +138,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     own = spec_utils.build_grammar_vocab_mask
     monkeypatch.setattr(internals, "version", lambda: "0.5.24")
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install() and not fresh.install()
     assert len(caplog.records) == 1 and "0.5.24" in caplog.records[0].getMessage()
     assert spec_utils.build_grammar_vocab_mask is own
@@ -142,7 +150,7 @@ def test_unknown_release_runs_sglangs_own(monkeypatch, caplog):
     changed[internals.BUILD] = "0" * 64
     monkeypatch.setitem(internals.REVISIONS, "0.5.23", type(revision)(revision.version, changed))
     with caplog.at_level(logging.WARNING, logger="sglang.portable_spec"):
-        fresh = internals.patch_set(lambda f: f, lambda f: f, lambda f: f)
+        fresh = state.INTEGRATION.new_patch_set()
         assert not fresh.install()
     assert len(caplog.records) == 1
     assert "build_grammar_vocab_mask" in caplog.records[0].getMessage()
@@ -155,9 +163,90 @@ def test_modes_and_stats():
     assert not plugin.is_installed()
     with _sgl.plugin_on("shadow"):
         assert plugin.is_installed()
-        from portable_spec.integrations.sglang.masks import Active
-
-        assert Active.mode == "shadow"
+        assert state.INTEGRATION.mode == "shadow"
     assert not plugin.is_installed()
     stats = plugin.integration_stats()
     assert {"steps", "built", "rows_compared", "rows_differing", "median_us"} <= set(stats)
+    assert {"draft_steps", "draft_rows", "ngram_nodes_replaced", "forced_tokens_accepted"} <= set(
+        stats
+    )
+
+
+def test_drafting_switch(monkeypatch):
+    """``PORTABLE_SPEC_SGLANG_DRAFTING`` (read at install) and ``set_drafting``: off leaves
+    sglang's own draft code; on and shadow patch it; a misspelt value is refused by name
+    before anything is patched."""
+    from sglang.srt.speculative import eagle_worker_v2, ngram_worker
+
+    from portable_spec.integrations.sglang import state
+
+    def patched() -> list[bool]:
+        return [
+            hasattr(eagle_worker_v2.EagleDraftWorker.draft, "__portable_spec_original__"),
+            hasattr(ngram_worker.NGRAMWorker._prepare_draft_tokens, "__portable_spec_original__"),
+        ]
+
+    try:
+        for value, expected in (
+            ("0", [False, False]),
+            ("", [True, True]),
+            ("shadow", [True, True]),
+        ):
+            monkeypatch.setenv(state.DRAFTING_ENV_VAR, value)
+            state.set_drafting_switch(None)  # read the variable again
+            with _sgl.plugin_on():
+                assert patched() == expected, value
+                assert state.drafting_mode() == {"0": "off", "": "on", "shadow": "shadow"}[value]
+            assert patched() == [False, False]
+        monkeypatch.setenv(state.DRAFTING_ENV_VAR, "maybe")
+        state.set_drafting_switch(None)
+        with pytest.raises(ValueError, match=state.DRAFTING_ENV_VAR):
+            plugin.install()
+        assert not plugin.is_installed() and patched() == [False, False]
+        state.set_drafting_switch("on")
+        with _sgl.plugin_on():
+            plugin.set_drafting(False)
+            assert patched() == [False, False]
+            plugin.set_drafting(True)
+            assert patched() == [True, True]
+        with _sgl.plugin_on("shadow"):
+            assert state.drafting_mode() == "shadow"  # shadow mode never changes sglang's drafts
+    finally:
+        state.set_drafting_switch(None)
+
+
+def _doc_block(marker: str) -> str:
+    """The python block of docs/sglang.md that contains ``marker``."""
+    doc = Path(HERE, "..", "..", "docs", "sglang.md").read_text()
+    blocks = doc.split("```python\n")[1:]
+    (block,) = [b.split("```")[0] for b in blocks if marker in b]
+    return block
+
+
+@pytest.mark.skipif(_sgl.DEVICE.type != "cpu", reason="what a CPU host needs")
+def test_a_cpu_host_as_docs_sglang_md_says():
+    """In a fresh process on this CPU host: without the CPU set-up, sglang's speculative modules
+    do not import, and ``install()`` says so (the import that failed, never "a source that
+    differs"); then docs/sglang.md's CPU block, as written, installs the plugin."""
+    script = textwrap.dedent(
+        """
+        import logging, os
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("sglang.portable_spec").addHandler(handler)
+        for name in ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE"):
+            os.environ.pop(name, None)
+        from portable_spec.integrations import sglang as plugin
+        print("BARE", plugin.install(), lines)
+        """
+    ) + _doc_block("import conftest")
+    root = os.path.dirname(os.path.dirname(HERE))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (bare,) = [line for line in done.stdout.splitlines() if line.startswith("BARE")]
+    assert bare.startswith("BARE False"), bare
+    assert "sglang.srt.speculative.spec_utils does not import here" in bare, bare
+    assert "No module named 'torchvision'" in bare and "differ" not in bare, bare

@@ -18,7 +18,7 @@ from test_verify import run_sample
 
 from portable_spec.integrations import sglang_jax as integration
 from portable_spec.integrations.patching import PatchSet, Revision, resolve
-from portable_spec.integrations.sglang_jax import fixes
+from portable_spec.integrations.sglang_jax import fixes, internals, patches
 
 KNOWN = "cddbf6f1"
 LABEL = "sglang-jax with the bug fixed"
@@ -27,19 +27,19 @@ BUGS = sorted({p.fixes for p in fixes.FIXES})
 
 def without(bug: str) -> PatchSet:
     """The integration's table on a revision that fixed ``bug``, as its entry would say it."""
-    known = integration.REVISIONS[KNOWN]
+    known = internals.REVISIONS[KNOWN]
     sources, fixed = dict(known.sources), set(known.fixed)
     for patch in fixes.FIXES:
         if patch.fixes != bug:
             continue
-        others = [p for p in integration.PATCHES if p.target == patch.target and p.fixes != bug]
+        others = [p for p in patches.PATCHES if p.target == patch.target and p.fixes != bug]
         if others:  # the mask work patches this function too: name the bug
             fixed.add(bug)
         else:  # nothing else patches it: the entry no longer lists it
             sources.pop(patch.target, None)
     return PatchSet(
         "sglang-jax",
-        patches=integration.PATCHES,
+        patches=patches.PATCHES,
         revisions={LABEL: Revision("", sources, frozenset(fixed))},
         version=lambda: "0.0.0.dev0",
         logger=logging.getLogger("sgl_jax.portable_spec"),
@@ -68,20 +68,20 @@ def patched(target: str) -> bool:
 
 def test_every_fix_names_an_entry_and_every_bug_has_a_patch():
     assert all(p.fixes for p in fixes.FIXES)
-    assert not any(p.fixes for p in integration.MASKS)
+    assert not any(p.fixes for p in patches.MASKS)
     assert len(BUGS) == 5
 
 
 @pytest.mark.parametrize("bug", BUGS)
 def test_a_revision_without_the_bug_leaves_only_its_patches_out(installed_without, bug):
     patch_set = installed_without(bug)
-    left_out = [p for p in integration.PATCHES if p not in patch_set.installs(LABEL)]
+    left_out = [p for p in patches.PATCHES if p not in patch_set.installs(LABEL)]
     assert left_out == [p for p in fixes.FIXES if p.fixes == bug]
-    for patch in integration.PATCHES:
+    for patch in patches.PATCHES:
         stack = [p for p in patch_set.installs(LABEL) if p.target == patch.target]
         assert patched(patch.target) == bool(stack), patch.target
     patch_set.uninstall()
-    assert not any(patched(p.target) for p in integration.PATCHES)
+    assert not any(patched(p.target) for p in patches.PATCHES)
 
 
 def test_without_the_list_fix_a_list_raises_again_and_the_masks_stay(installed_without):

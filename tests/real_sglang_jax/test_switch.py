@@ -59,8 +59,7 @@ try:
 except Exception:
     pass
 after = [sglang_jax.is_installed(), patched()]
-hook.deactivate()
-sglang_jax.uninstall()
+sglang_jax.uninstall()  # also stops the switch: Scheduler.__init__ given back
 own_init = not hasattr(scheduler.Scheduler.__init__, '__wrapped__')
 print(json.dumps({'hooked': hooked, 'early': early, 'before': before, 'after': after,
                   'given back': [own_init, patched(), hook.watching()]}))

@@ -25,6 +25,7 @@ from flax import nnx
 
 from portable_spec.integrations import sglang_jax as integration
 from portable_spec.integrations.patching import PatchSet, Revision
+from portable_spec.integrations.sglang_jax import internals, patches, state
 
 # (topk, steps, nodes): EAGLE trees, and a chain (EAGLE3 / NEXTN with topk 1)
 CONFIGS = {"tree-4x3-8": (4, 3, 8), "tree-2x4-6": (2, 4, 6), "chain-3": (1, 3, 4)}
@@ -238,21 +239,21 @@ def test_an_unknown_revision_logs_once_and_keeps_sglang_jax_code(monkeypatch, ca
     integration.uninstall()
     own = EagleVerifyInput.sample
     known = {}
-    for label, revision in integration.REVISIONS.items():
+    for label, revision in internals.REVISIONS.items():
         sources = dict(revision.sources)
         sources[next(iter(sources))] = "0" * 64  # one function's source differs
         known[label] = Revision(revision.version, sources, revision.fixed)
     patch_set = PatchSet(
         "sglang-jax",
-        patches=integration.PATCHES,
+        patches=patches.PATCHES,
         revisions=known,
         version=lambda: "0.0.0.dev0",
         logger=logging.getLogger("sgl_jax.portable_spec"),
     )
-    monkeypatch.setattr(integration, "_PATCH_SET", patch_set)
+    monkeypatch.setattr(state.INTEGRATION, "_patches", patch_set)
     with caplog.at_level(logging.WARNING, logger="sgl_jax.portable_spec"):
         assert integration.install() is False
         assert integration.install() is False
     assert EagleVerifyInput.sample is own and not integration.is_installed()
-    lines = [r.getMessage() for r in caplog.records if "not a release" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "is not patched" in r.getMessage()]
     assert len(lines) == 1 and next(iter(known["cddbf6f1"].sources)) in lines[0]

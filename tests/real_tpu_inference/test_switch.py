@@ -111,14 +111,14 @@ def test_unknown_releases_keep_tpu_inference_code(tpu, monkeypatch, caplog, unkn
     from vllm.v1.structured_output import StructuredOutputManager
 
     from portable_spec.integrations import tpu_inference
-    from portable_spec.integrations.tpu_inference import runner
+    from portable_spec.integrations.tpu_inference import internals, state
 
     tpu_inference.uninstall()
     tpu_inference.reset_stats()
     own = _methods(tpu)
-    assert runner.patch_set().recognise() == ("0.32", "")
+    assert state.INTEGRATION.new_patch_set().recognise() == ("0.32", "")
     if unknown == "tpu-inference":
-        monkeypatch.setattr(runner, "version", lambda: "0.33.0")
+        monkeypatch.setattr(internals, "version", lambda: "0.33.0")
     else:
 
         def grammar_bitmask(self, requests, ids, spec):  # rows laid out some other way

@@ -117,7 +117,9 @@ def main(out_path: str) -> None:
             "steps": steps[0],
             "stats": plugin.integration_stats(),
             "extensions": list(extensions),
-            "scheduler_wrapped": drafts.is_installed(),
+            "scheduler_wrapped": hasattr(
+                Scheduler.update_draft_token_ids, "__portable_spec_original__"
+            ),
         }
     plugin.uninstall()
     with open(out_path, "w") as f:

@@ -26,7 +26,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar  # noqa: E402
 from vllm.v1.structured_output.request import StructuredOutputRequest  # noqa: E402
 
-from portable_spec.integrations.vllm import drafts, internals  # noqa: E402
+from portable_spec.integrations import vllm as plugin  # noqa: E402
+from portable_spec.integrations.vllm import internals, state  # noqa: E402
 from portable_spec.testing import SCHEMA_EXAMPLES, SCHEMA_WORKLOADS  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -155,13 +156,16 @@ def _print(wrapper):
 
 @pytest.fixture
 def patched(monkeypatch):
-    monkeypatch.setattr(drafts.Writings, "enabled", False)  # each test states what it uses
-    monkeypatch.setattr(drafts.Lookup, "enabled", False)
-    drafts.reset()
-    assert drafts.install("on")
+    monkeypatch.delenv(state.FORCED_ENV_VAR, raising=False)
+    monkeypatch.setenv(state.WRITINGS_ENV_VAR, "0")  # each test states what it uses
+    monkeypatch.setenv(state.LOOKUP_ENV_VAR, "0")
+    plugin.reset_stats()
+    assert plugin.install("on")
+    assert state.SWITCHES == {"forced": "on", "writings": "off", "lookup": "off"}
     yield
-    drafts.uninstall()
-    drafts.Mode.value = "on"
+    plugin.uninstall()
+    monkeypatch.undo()
+    state.read_switches()
 
 
 def _step(scheduler, proposals):
@@ -196,7 +200,7 @@ def test_drafts_are_vllms_kept_drafts_then_what_the_grammar_forces(world, patche
         assert wrapper.validate_tokens(list(got)) == got  # vLLM's own validation takes all
         extended += len(got) > len(kept)
     assert extended > len(requests) // 3
-    stats = drafts.STATS.snapshot()
+    stats = plugin.integration_stats()
     assert stats["forced_drafted"] > 0 and stats["forced_steps"] == 1
 
 
@@ -233,11 +237,11 @@ def test_nothing_is_forced_while_reasoning(world, patched):
 def test_shadow_mode_and_configurations_whose_drafts_stay_vllms(world, patched):
     scheduler = _scheduler(world)
     request = _request(world, scheduler, "r", "tool_call", 1)
-    drafts.Mode.value = "shadow"
+    assert plugin.install("shadow")  # the plugin's shadow mode: counted, never scheduled
     _step(scheduler, {"r": []})
     assert request.spec_token_ids == []
-    assert drafts.STATS.snapshot()["forced_would_draft"] > 0
-    drafts.Mode.value = "on"
+    assert plugin.integration_stats()["forced_would_draft"] > 0
+    assert plugin.install("on")
     rules = {
         "ngram": ("", {}),
         "eagle greedy": ("", {"method": "eagle3", "draft_sample_method": "greedy"}),
@@ -255,8 +259,6 @@ def test_shadow_mode_and_configurations_whose_drafts_stay_vllms(world, patched):
         config.scheduler_config.async_scheduling = label == "async"
         got = internals.forced_drafts_rule(config)
         assert (why in got and got) if why else got == "", (label, got)
-        drafts.uninstall()  # a fresh scheduler state per configuration
-        assert drafts.install("on")
         scheduler = _scheduler(world, config)
         request = _request(world, scheduler, "r", "tool_call", 1)
         _step(scheduler, {"r": []})
@@ -267,7 +269,7 @@ def test_the_model_s_writing_of_a_forced_text_is_drafted_next_time(world, patche
     """What the model wrote after a forced text (here: a key in short pieces, then the colon
     and the quote) is drafted for the next request meeting that text, checked by the grammar;
     vLLM's own drafts still come first."""
-    monkeypatch.setattr(drafts.Writings, "enabled", True)
+    monkeypatch.setitem(state.SWITCHES, "writings", "on")
     scheduler = _scheduler(world)
     tok = world.tokenizer
     first = _request(world, scheduler, "first", "tool_call", 1)  # `{"`: `tool_call_type"`
@@ -285,3 +287,46 @@ def test_the_model_s_writing_of_a_forced_text_is_drafted_next_time(world, patche
     third = _request(world, scheduler, "third", "tool_call", 1)
     _step(scheduler, {"third": [tok.convert_tokens_to_ids("tool")]})  # vLLM's draft first
     assert third.spec_token_ids[0] == tok.convert_tokens_to_ids("tool")
+
+
+def test_the_switch(world, patched, monkeypatch):
+    """``PORTABLE_SPEC_FORCED_DRAFTS``: ``0`` leaves vLLM's drafts, ``shadow`` counts them,
+    a misspelt value stops the install before anything is patched; read at each install."""
+    scheduler = _scheduler(world)
+    monkeypatch.setenv(state.FORCED_ENV_VAR, "0")
+    assert plugin.install("on")
+    off = _request(world, scheduler, "off", "tool_call", 1)
+    _step(scheduler, {"off": []})
+    assert off.spec_token_ids == []
+    monkeypatch.setenv(state.FORCED_ENV_VAR, "shadow")
+    assert plugin.install("on")
+    shadow = _request(world, scheduler, "shadow", "tool_call", 1)
+    _step(scheduler, {"shadow": []})
+    assert shadow.spec_token_ids == []
+    assert plugin.integration_stats()["forced_would_draft"] > 0
+    plugin.uninstall()
+    monkeypatch.setenv(state.FORCED_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=state.FORCED_ENV_VAR):
+        plugin.install("on")
+    assert not plugin.is_installed()
+    monkeypatch.setenv(state.FORCED_ENV_VAR, "1")
+    assert plugin.install("on")
+    on = _request(world, scheduler, "on", "tool_call", 1)
+    _step(scheduler, {"on": []})
+    assert len(on.spec_token_ids) == K
+
+
+def test_async_scheduling_keeps_vllms_drafts(world, patched):
+    """Under async scheduling the worker's drafts are in the forward before the scheduler sees
+    them: ``update_draft_token_ids_in_output`` stays vLLM's own function, and a scheduler
+    configured for async scheduling keeps vLLM's drafts in ``update_draft_token_ids`` too."""
+    own = Scheduler.update_draft_token_ids_in_output
+    assert getattr(own, "__portable_spec_original__", None) is None
+    assert getattr(Scheduler.update_draft_token_ids, "__portable_spec_original__", None)
+    config = _config()
+    config.scheduler_config.async_scheduling = True
+    scheduler = _scheduler(world, config)
+    request = _request(world, scheduler, "r", "tool_call", 1)
+    _step(scheduler, {"r": []})
+    assert request.spec_token_ids == []
+    assert plugin.integration_stats()["forced_drafted"] == 0

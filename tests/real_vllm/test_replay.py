@@ -31,7 +31,7 @@ from vllm.v1.structured_output.request import StructuredOutputRequest  # noqa: E
 
 from portable_spec import native as compiled  # noqa: E402
 from portable_spec.integrations import vllm as plugin  # noqa: E402
-from portable_spec.integrations.vllm import bitmask, internals  # noqa: E402
+from portable_spec.integrations.vllm import bitmask, internals, state  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -482,14 +482,14 @@ def test_install_and_uninstall(monkeypatch):
     try:
         assert plugin.install("shadow") and plugin.is_installed()
         patched = Manager032.grammar_bitmask
-        assert patched is not before and bitmask.Active.mode == "shadow"
+        assert patched is not before and state.INTEGRATION.mode == "shadow"
         assert plugin.install() and Manager032.grammar_bitmask is patched
-        assert bitmask.Active.mode == "on" and bitmask.Active.layout == "packed"
+        assert state.INTEGRATION.mode == "on" and state.INTEGRATION.revision == "0.32"
         plugin.uninstall()
         assert Manager032.grammar_bitmask is before and not plugin.is_installed()
         monkeypatch.setenv(plugin.ENV_VAR, "shadow")
         vllm_general_plugins()
-        assert plugin.is_installed() and bitmask.Active.mode == "shadow"
+        assert plugin.is_installed() and state.INTEGRATION.mode == "shadow"
         monkeypatch.setenv(plugin.ENV_VAR, "yes")
         with pytest.raises(ValueError, match=plugin.ENV_VAR):
             vllm_general_plugins()
@@ -503,7 +503,7 @@ def test_unknown_version_keeps_vllms_fill(monkeypatch, caplog):
 
     plugin.reset_stats()  # the warning is said once per process
     monkeypatch.setenv(plugin.ENV_VAR, "1")
-    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(internals, "version", lambda: "0.99.0")
     before = Manager032.grammar_bitmask
     with caplog.at_level("WARNING", logger="vllm.portable_spec"):
         vllm_general_plugins()
@@ -534,7 +534,7 @@ def test_a_source_that_differs_keeps_vllms_fill(monkeypatch, caplog):
 
 def test_the_release_table_holds_this_vllms_source():
     """The 0.32 row of the table is the installed vLLM's source (what install() checks)."""
-    sources = internals.patch_set(lambda original: original).sources()
+    sources = state.INTEGRATION.new_patch_set().sources()
     assert internals.REVISIONS["0.32"].sources == {
         target: digest for target, digest in sources.items() if digest is not None
     }

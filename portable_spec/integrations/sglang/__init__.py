@@ -19,49 +19,48 @@ sglang release the plugin does not know (its version, or the source of anything 
 or reads, differs from every release in :mod:`.internals`) is not patched: one ``WARNING``,
 then sglang's own code. For a process you control, :func:`install` and :func:`uninstall`.
 
-The package, a file per job:
+The package, as every engine package of the library:
 
 * ``internals.py``: the only file that names sglang's internals: what is replaced and read,
-  the table of known releases (version and source hash of each), accessors;
+  the table of known releases (version and source hash of each), the version, accessors;
+* ``patches.py``: what is replaced, target by target, and by what;
+* ``state.py``: the switch, the counters, the once-per-process lines, the mode;
 * ``grammars.py``: what the library is handed for each request, by sglang's grammar rules;
-* ``masks.py``: the speculative build, its shadow mode, the counters;
+* ``masks.py``: the speculative build and its shadow mode;
 * ``guidance.py``: the llguidance rows sglang builds otherwise, rebuilt by its own methods;
-* ``plain.py``: the plain batch fill.
+* ``plain.py``: the plain batch fill;
+* ``drafting.py``: the verify mask of a drafted step; ``draft_sets.py``: the drafting patch
+  sets (``PORTABLE_SPEC_SGLANG_DRAFTING``), installed when their worker module is imported;
+  ``eagle_draft.py``: the EAGLE v2 draft loop in a ``DraftSession``; ``ngram.py``: the NGRAM
+  worker's trees, the slots the grammar refuses given its forced continuation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from portable_spec.integrations.patching import ImportHook, PatchSet, read_mode
+from portable_spec.integrations.face import read_mode
 from portable_spec.integrations.sglang import internals
+from portable_spec.integrations.sglang.state import (
+    DRAFTING_ENV_VAR,
+    ENV_VAR,
+    INTEGRATION,
+    drafting_switch,
+    follow_drafting,
+    set_drafting_switch,
+)
 
 __all__ = [
+    "DRAFTING_ENV_VAR",
     "ENV_VAR",
     "install",
     "integration_stats",
     "is_installed",
     "register",
     "reset_stats",
+    "set_drafting",
     "uninstall",
 ]
-
-ENV_VAR = "PORTABLE_SPEC_SGLANG"
-#: the module whose import (in the scheduler's process) installs the plugin
-_TRIGGER = "sglang.srt.speculative.spec_utils"
-
-_state: dict[str, Any] = {"patches": None, "hook": None}
-
-
-def _patches() -> PatchSet:
-    patches = _state["patches"]
-    if patches is None:
-        from portable_spec.integrations.sglang.masks import build_replacement, chain_replacement
-        from portable_spec.integrations.sglang.plain import fill_replacement
-
-        patches = internals.patch_set(build_replacement, chain_replacement, fill_replacement)
-        _state["patches"] = patches
-    return patches
 
 
 def register() -> None:
@@ -70,40 +69,29 @@ def register() -> None:
     are imported (at once if they are). Raises ValueError naming the variable for a value
     other than ``1``/``on``, ``shadow``, ``0``/``off`` or unset. Idempotent."""
     mode = read_mode(ENV_VAR)
-    if mode == "off" or _state["hook"] is not None:
-        return
-    hook = ImportHook(_TRIGGER, lambda _module: install(mode), internals.logger)
-    _state["hook"] = hook
-    hook.activate()
+    if mode != "off":
+        INTEGRATION.install_on_import(internals.TRIGGER, mode)
 
 
 def install(mode: str = "on") -> bool:
     """Patch sglang in this process, in ``mode`` (``"on"`` or ``"shadow"``; switched at once
     when already installed). Returns whether the plugin is in place: False without sglang or
     on a release it does not know (one ``WARNING``; sglang's own code runs). Raises ValueError
-    for another mode. Imports sglang's speculative and grammar modules; never blocks."""
-    if mode not in ("on", "shadow"):
-        raise ValueError(f"mode must be 'on' or 'shadow', got {mode!r}")
-    from portable_spec.integrations.sglang.masks import Active
-
-    Active.mode = mode
-    return _patches().install()
+    for another mode, or a ``PORTABLE_SPEC_SGLANG_DRAFTING`` it does not read (before anything
+    is patched). Imports sglang's speculative and grammar modules; never blocks."""
+    drafting_switch()
+    return INTEGRATION.install(mode)
 
 
 def uninstall() -> None:
     """Give sglang its own functions back in this process (every worker module that bound the
     mask build included), and stop waiting for its import."""
-    hook = _state["hook"]
-    if hook is not None:
-        hook.deactivate()
-        _state["hook"] = None
-    if _state["patches"] is not None:
-        _state["patches"].uninstall()
+    INTEGRATION.uninstall()
 
 
 def is_installed() -> bool:
     """Whether sglang's functions are the plugin's in this process."""
-    return _state["patches"] is not None and _state["patches"].is_installed()
+    return INTEGRATION.is_installed()
 
 
 def integration_stats() -> dict[str, Any]:
@@ -118,16 +106,21 @@ def integration_stats() -> dict[str, Any]:
     ``samples``: ``{build: {batch: median µs or count}}`` for the builds ``portable_spec`` and
     ``sglang`` (shadow mode). Never blocks.
     """
-    from portable_spec.integrations.sglang.masks import STATS
+    return INTEGRATION.integration_stats()
 
-    return STATS.snapshot()
+
+def set_drafting(mode: str | bool) -> None:
+    """Grammar-aware drafting (``PORTABLE_SPEC_SGLANG_DRAFTING``, read at the first
+    :func:`install`): ``True``/``"on"`` (the default: the drafts of grammar requests are tokens
+    their grammar allows, or its forced continuation), ``"shadow"`` (sglang's own drafts, the
+    plugin's counted beside them) or ``False``/``"off"`` (sglang's own draft code). Takes
+    effect at once where the plugin is installed."""
+    set_drafting_switch({True: "on", False: "off"}.get(mode, mode))  # type: ignore[call-overload]
+    if INTEGRATION.is_installed():
+        follow_drafting()
 
 
 def reset_stats() -> None:
-    """Forget every counter and timing of this process; the once-per-process warnings may be
-    logged again."""
-    from portable_spec.integrations.sglang.grammars import reset_warnings
-    from portable_spec.integrations.sglang.masks import STATS
-
-    STATS.reset()
-    reset_warnings()
+    """Forget every counter and timing of this process; the once-per-process lines, and the
+    warning about an sglang release the plugin does not know, may be logged again."""
+    INTEGRATION.reset_stats()

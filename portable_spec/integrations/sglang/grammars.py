@@ -22,32 +22,14 @@ sglang's own code as a whole.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from portable_spec.integrations.sglang import internals
-from portable_spec.integrations.sglang.internals import GUIDANCE, REASONER, XGRAMMAR, logger
+from portable_spec.integrations.sglang.internals import GUIDANCE, REASONER, XGRAMMAR
+from portable_spec.integrations.sglang.state import LOG
 
-__all__ = ["Guided", "Plan", "plan_step", "reset_warnings"]
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(key: str, message: str, *args: Any) -> None:
-    """Log ``message`` as a warning, once per process for ``key``."""
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    logger.warning(message, *args)
-
-
-def reset_warnings() -> None:
-    """Let the once-per-process warnings be logged again."""
-    with _warned_lock:
-        _warned.clear()
+__all__ = ["Guided", "Plan", "plan_step"]
 
 
 @dataclass(slots=True)
@@ -138,7 +120,7 @@ def _take(plan: Plan, index: int, grammar: Any) -> None:
     else:
         plan.own.append(index)
         name = type(grammar).__qualname__
-        warn_once(
+        LOG.warning(
             f"type:{type(grammar).__module__}.{name}",
             "portable_spec: sglang grammar objects of type %s are not known to the library; "
             "their requests' masks are built by sglang's own code",
@@ -201,7 +183,7 @@ def _take_inner(plan: Plan, index: int, inner: Any, *, reasoning: bool) -> bool:
 
 def _own(plan: Plan, index: int, why: str) -> None:
     plan.own.append(index)
-    warn_once(
+    LOG.warning(
         f"own:{why}",
         "portable_spec: %s: those requests' masks are built by sglang's own code",
         why,

@@ -9,7 +9,11 @@ The plugin replaces three functions of sglang:
 * ``spec_utils.GrammarTree.from_linear_chain``, wrapped: the trees it makes are marked as
   chains, which the library builds without walking links;
 * ``BaseGrammarObject.fill_vocab_mask_batched``, the plain one-row-per-request fill of
-  ``SamplingBatchInfo.update_regex_vocab_mask``.
+  ``SamplingBatchInfo.update_regex_vocab_mask``;
+
+and, in patch sets of their own installed when their worker module is imported (grammar-aware
+drafting, :data:`DRAFT_SETS`), eight functions of the EAGLE v2 draft loop and two of the NGRAM
+worker, with their own table of source hashes (:data:`DRAFT_SOURCES`).
 
 It relies on sglang's grammar objects as they are at the releases listed below: the fields
 and methods of ``XGrammarGrammar`` (``matcher``), ``GuidanceGrammar`` (``ll_matcher``,
@@ -29,28 +33,28 @@ To add a release: install it, run ``python -m portable_spec.integrations.sglang.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import importlib.util
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from portable_spec.integrations.patching import Patch, PatchSet, Revision, resolve, source_hash
+from portable_spec.integrations.face import engine_version
+from portable_spec.integrations.patching import Revision, print_sources, resolve
 
 __all__ = [
     "BUILD",
     "CHAIN",
     "CHAIN_MARK",
+    "DISTRIBUTIONS",
+    "ENGINE",
     "FILL",
+    "PACKAGE",
     "READS",
     "REVISIONS",
     "TARGETS",
+    "TRIGGER",
     "generate_token_bitmask",
     "grammar_mask",
     "kind_of",
     "logger",
-    "patch_set",
     "traverse_tree",
     "version",
     "xgrammar_rows",
@@ -59,7 +63,10 @@ __all__ = [
 #: A child of sglang's logger: the plugin's lines come out with sglang's format and level.
 logger = logging.getLogger("sglang.portable_spec")
 
+#: the engine's name in log lines and errors; the package it imports as; its distribution
 ENGINE = "sglang"
+PACKAGE = "sglang"
+DISTRIBUTIONS = ("sglang",)
 _SPEC = "sglang.srt.speculative.spec_utils"
 _BASE = "sglang.srt.constrained.base_grammar_backend"
 _XGR = "sglang.srt.constrained.xgrammar_backend"
@@ -72,7 +79,11 @@ BUILD = f"{_SPEC}:build_grammar_vocab_mask"
 CHAIN = f"{_SPEC}:GrammarTree.from_linear_chain"
 #: the plain fill (replaced)
 FILL = f"{_BASE}:BaseGrammarObject.fill_vocab_mask_batched"
+#: every function the plugin replaces
 TARGETS = (BUILD, CHAIN, FILL)
+#: the module whose import (in the scheduler's process) installs the plugin, from sglang's
+#: entry point
+TRIGGER = _SPEC
 
 _GENERATE = f"{_SPEC}:generate_token_bitmask"
 _TRAVERSE = f"{_SPEC}:traverse_tree"
@@ -141,33 +152,9 @@ REVISIONS: dict[str, Revision] = {
 
 
 def version() -> str | None:
-    """The installed sglang's version (from its distribution metadata: nothing is imported),
-    or None without sglang."""
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def patch_set(
-    build: Callable[[Any], Any], chain: Callable[[Any], Any], fill: Callable[[Any], Any]
-) -> PatchSet:
-    """sglang's patch set: each target replaced by its ``make(sglang's own)``, :data:`READS`
-    recognised."""
-    return PatchSet(
-        ENGINE,
-        patches=[
-            Patch(BUILD, build, rebind=True),
-            Patch(CHAIN, chain),
-            Patch(FILL, fill),
-            *(Patch(target) for target in READS),
-        ],
-        revisions=REVISIONS,
-        version=version,
-        logger=logger,
-    )
+    """The installed sglang's version (its distribution's metadata: nothing is imported), or
+    None without sglang."""
+    return engine_version(PACKAGE, DISTRIBUTIONS)
 
 
 # -- what the plugin calls of sglang's own (the modules are imported once it is installed) ----
@@ -307,13 +294,148 @@ def allocates_bitmask(grammar: Any, words: int) -> bool:
     )
 
 
-def print_sources() -> None:
-    """Print this process's sglang version and the source hash of every target."""
-    print(f"sglang {version()}")
-    for target in (*TARGETS, *READS):
-        print(f"{target}: {source_hash(resolve(target)[2])}")
+# -- grammar-aware drafting (patch sets of their own: .drafting, .eagle_draft, .ngram) ----------
+
+_EAGLE = "sglang.srt.speculative.eagle_worker_v2"
+_NGRAM = "sglang.srt.speculative.ngram_worker"
+#: the EAGLE v2 worker's step (the grammar barrier moved before drafting)
+EAGLE_STEP = f"{_EAGLE}:EAGLEWorkerV2.forward_batch_generation"
+#: the EAGLE v2 draft (the session opened, the root's top-k masked)
+EAGLE_DRAFT = f"{_EAGLE}:EagleDraftWorker.draft"
+#: the EAGLE v2 draft loop (each level's logits masked; the verify tree staged)
+EAGLE_DRAFT_FORWARD = f"{_EAGLE}:EagleDraftWorker.draft_forward"
+#: the draft loop's node picking, as the draft worker module binds it
+EAGLE_SELECT = f"{_EAGLE}:select_top_k_tokens"
+#: the draft extends whose logits the next root's top-k comes from
+EAGLE_EXTEND_DECODE = f"{_EAGLE}:EagleDraftWorker._draft_extend_for_decode"
+EAGLE_EXTEND_PREFILL = f"{_EAGLE}:EagleDraftWorker._draft_extend_for_prefill"
+#: the verify tree's choice among the candidates (ties broken towards the parent)
+EAGLE_ORGANIZE = f"{_EAGLE}:organize_draft_results"
+#: the draft decode's CUDA graph (not replayed while a session drafts)
+EAGLE_DRAFT_GRAPH = (
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner:EAGLEDraftCudaGraphRunner.can_run_graph"
+)
+#: the NGRAM worker's draft trees, from its corpus (refused nodes replaced)
+NGRAM_PREPARE = f"{_NGRAM}:NGRAMWorker._prepare_draft_tokens"
+#: the NGRAM step (its result read at the next step: forced tokens accepted)
+NGRAM_STEP = f"{_NGRAM}:NGRAMWorker.forward_batch_generation"
+EAGLE_TARGETS = (
+    EAGLE_STEP,
+    EAGLE_DRAFT,
+    EAGLE_DRAFT_FORWARD,
+    EAGLE_SELECT,
+    EAGLE_EXTEND_DECODE,
+    EAGLE_EXTEND_PREFILL,
+    EAGLE_ORGANIZE,
+    EAGLE_DRAFT_GRAPH,
+)
+NGRAM_TARGETS = (NGRAM_PREPARE, NGRAM_STEP)
+_EAGLE_TOPK = f"{_EAGLE}:fast_topk"
+_EAGLE_PROBS = f"{_EAGLE}:renorm_draft_probs"
+#: read, not replaced: the draft loop's top-k and probabilities (the root's top-k is taken
+#: again with them)
+EAGLE_READS = (_EAGLE_TOPK, _EAGLE_PROBS)
+#: read, not replaced: the NGRAM worker's use of its trees and its tree-mask format's reader
+NGRAM_READS = (
+    f"{_NGRAM}:NGRAMWorker._prepare_for_speculative_decoding",
+    f"{_NGRAM}:_derive_tree_links",
+)
+#: the drafting patch sets: name -> (the module whose import installs it, targets, reads)
+DRAFT_SETS = {
+    "EAGLE drafting": (_EAGLE, EAGLE_TARGETS, EAGLE_READS),
+    "NGRAM drafting": (_NGRAM, NGRAM_TARGETS, NGRAM_READS),
+}
+
+#: the source hash of every drafting target and read, per sglang release
+DRAFT_SOURCES: dict[str, dict[str, str]] = {
+    "0.5.23": {
+        EAGLE_STEP: "e41ad8d8053cf2c0dcde7ffd41140afd92c11081fe7745af38336aa225593f84",
+        EAGLE_DRAFT: "bc895b907be4e337d61ef7adc700a144bbbad2781d3af057dc8c5163be2108d9",
+        EAGLE_DRAFT_FORWARD: "e1dc83274e26941e2716cbd0e112cabe05a4ae1e02490fd7447358b16bc9661e",
+        EAGLE_SELECT: "042cc9d58cf2b4be95a8d4b5055c31a48c93f5bfdeaa935f4ff7c8cf81279f6b",
+        EAGLE_EXTEND_DECODE: "43fac9eb9ad0ac5e727ea719ca861f4bcb3d8e78aa310c370a5d9fd203a6eaa6",
+        EAGLE_EXTEND_PREFILL: "3189eb126ef534d395191094af233edb11f7abfc4e1c301401074a17b2cfc227",
+        EAGLE_ORGANIZE: "6ab14180a2850075afce961d2146a5608e5b9d6300852de7760860b241532698",
+        EAGLE_DRAFT_GRAPH: "e04ca2fad3674b1193cb6bc25a7a3c9bef1395996a8d49fc1944a721d324d319",
+        _EAGLE_TOPK: "9f726d9c84d83fa4bffe4f83b7d463306be771c8e40ed44bfb7b0ed8e1970fb4",
+        _EAGLE_PROBS: "0962a891a575fe7d0c9f8c956bbd6b98bb4c300106a5cd3fdad5e24814b0f8cf",
+        NGRAM_PREPARE: "2f429d144dc2d6f1c8d40288823a509ffb9d4ade872d8db2b9b24b044108fb8d",
+        NGRAM_STEP: "62a0fa9f388804a727d05eedb0a4e2c4dadf255e5e31f6c091ae233a8f0d35b1",
+        f"{_NGRAM}:NGRAMWorker._prepare_for_speculative_decoding": (
+            "7417a9ce177df7756643c4efbb5558b1c2821833fc9d4da873d8ca75f533bc16"
+        ),
+        f"{_NGRAM}:_derive_tree_links": (
+            "dfffb60c87edad61a2d44065a46aaa80e75a3c3b724415fe6289a247dd9a2e91"
+        ),
+    }
+}
 
 
-if __name__ == "__main__":
-    importlib.import_module("sglang")
-    print_sources()
+def draft_revisions(listed: tuple[str, ...]) -> dict[str, Revision]:
+    """The known releases as a drafting patch set over ``listed`` recognises them: each
+    release's hashes of those targets and reads."""
+    return {
+        label: Revision(label, {t: sources[t] for t in listed})
+        for label, sources in DRAFT_SOURCES.items()
+    }
+
+
+def draft_module(name: str) -> str:
+    """The sglang module whose import installs the drafting patch set ``name``."""
+    return DRAFT_SETS[name][0]
+
+
+def ngram_tokenizer(worker: Any) -> Any:
+    """The model's tokenizer as an ``NGRAMWorker``'s target worker holds it (None without)."""
+    return getattr(worker._target_worker, "tokenizer", None)
+
+
+def ngram_device(worker: Any) -> Any:
+    """The ``torch.device`` an ``NGRAMWorker``'s verify runs on."""
+    import torch
+
+    return torch.device(worker.device)
+
+
+def request_grammar(req: Any) -> Any:
+    """A scheduled request's grammar object (None without one)."""
+    return req.grammar
+
+
+def request_id(req: Any) -> str:
+    """A scheduled request's id."""
+    return req.rid
+
+
+def has_grammar_request(batch: Any) -> bool:
+    """Whether a request of the batch has a grammar."""
+    return any(req.grammar is not None for req in batch.reqs)
+
+
+def decode_with_grammar(batch: Any) -> bool:
+    """Whether ``batch`` is a decode batch (not idle) with a grammar request."""
+    mode = batch.forward_mode
+    return bool(batch.has_grammar) and mode.is_decode() and not mode.is_idle()
+
+
+def draft_probs_needed(sampling_info: Any) -> bool:
+    """Whether the draft loop keeps draft probabilities (rejection sampling, non-greedy)."""
+    from sglang.srt.runtime_context import get_spec
+
+    return bool(get_spec().speculative_use_rejection_sampling) and not sampling_info.is_all_greedy
+
+
+def draft_probs(logits: Any, sampling_info: Any) -> Any:
+    """sglang's draft distribution over ``logits`` (``renorm_draft_probs``, greedy draft)."""
+    return resolve(_EAGLE_PROBS)[2](logits, sampling_info, False)
+
+
+def eagle_topk(probs: Any, topk: int) -> tuple[Any, Any]:
+    """sglang's ``fast_topk(probs, topk, dim=-1)``: ``(values, indices)``."""
+    return resolve(_EAGLE_TOPK)[2](probs, topk, dim=-1)
+
+
+if __name__ == "__main__":  # the row of REVISIONS this process's sglang would need
+    print_sources(ENGINE, version(), (*TARGETS, *READS))
+    for _module, targets, reads in DRAFT_SETS.values():
+        print_sources(ENGINE, version(), (*targets, *reads))

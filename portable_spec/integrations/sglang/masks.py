@@ -1,4 +1,4 @@
-"""The replacement of sglang's ``build_grammar_vocab_mask``, its shadow mode and its counters.
+"""The replacement of sglang's ``build_grammar_vocab_mask`` and its shadow mode.
 
 sglang's contract, kept exactly: ``barrier()`` first (it advances the grammars over the
 previous step's tokens), once; ``None`` when no request has a grammar (and then
@@ -30,41 +30,15 @@ import numpy as np
 
 import portable_spec as ps
 from portable_spec.errors import MatcherError
-from portable_spec.integrations.patching import Stats
-from portable_spec.integrations.sglang import internals
-from portable_spec.integrations.sglang.grammars import Plan, plan_step, warn_once
+from portable_spec.integrations.sglang import drafting, internals
+from portable_spec.integrations.sglang.grammars import Plan, plan_step
 from portable_spec.integrations.sglang.guidance import repaired_rows
 from portable_spec.integrations.sglang.internals import CHAIN_MARK, logger
+from portable_spec.integrations.sglang.state import INTEGRATION, LOG, STATS
 
-__all__ = ["STATS", "Active", "build_replacement", "chain_replacement"]
+__all__ = ["build_replacement", "chain_replacement"]
 
-#: the plugin's counters (``integration_stats()``): ``steps`` (calls with a grammar),
-#: ``built`` (steps the library built), ``whole_steps`` (steps left to sglang's own code),
-#: ``own_requests`` (requests sglang's walk built inside a library step), ``refused_steps``
-#: (steps whose first build the library refused), ``repaired_rows`` (llguidance rows rebuilt),
-#: ``rows_compared`` / ``rows_differing`` (shadow mode), ``fills`` / ``fills_built`` (the
-#: plain fill); timings per build name and batch
-STATS = Stats(
-    (
-        "steps",
-        "built",
-        "whole_steps",
-        "own_requests",
-        "refused_steps",
-        "repaired_rows",
-        "rows_compared",
-        "rows_differing",
-        "fills",
-        "fills_built",
-    )
-)
 _LOGGED_DIFFERENCES = 20
-
-
-class Active:
-    """The plugin's mode in this process: ``"on"`` or ``"shadow"``."""
-
-    mode = "on"
 
 
 def chain_replacement(original: Any) -> Any:
@@ -107,7 +81,7 @@ def _build(original: Any, reqs: Any, tree: Any, sampling_info: Any, device: Any)
         return _sglang_step(original, reqs, tree, sampling_info, device, "")
     STATS.time("portable_spec", batch, time.perf_counter() - started)
     STATS.add("built")
-    if Active.mode == "shadow":
+    if INTEGRATION.mode == "shadow":
         mask = _shadow(reqs, host, vocab_size, mask, device, batch)
     sampling_info.grammar_mask = None
     return internals.grammar_mask(plan.handle, mask)
@@ -119,7 +93,7 @@ def _sglang_step(
     """The step built by sglang's own function (its barrier already run)."""
     STATS.add("whole_steps")
     if why:
-        warn_once(
+        LOG.warning(
             f"step:{why}",
             "portable_spec: %s: steps with them are built by sglang's own code",
             why,
@@ -139,10 +113,10 @@ def _library_mask(plan: Plan, host: Any, chain: bool, vocab_size: int, device: A
         STATS.add("refused_steps")
         refused = _refused_requests(plan, arrays, chain, vocab_size)
         if not refused:
-            warn_once(f"refused:{type(exc).__name__}", "portable_spec: %s", exc)
+            LOG.warning(f"refused:{type(exc).__name__}", "portable_spec: %s", exc)
             return None
         for b in refused:
-            warn_once(
+            LOG.warning(
                 "refused-request",
                 "portable_spec: the library refused a request's grammar or tree (%s); "
                 "such requests are built by sglang's own code",
@@ -156,7 +130,7 @@ def _library_mask(plan: Plan, host: Any, chain: bool, vocab_size: int, device: A
         try:
             mask, valid = _library_rows(plan, arrays, chain, vocab_size, device)
         except (TypeError, ValueError, MatcherError) as again:
-            warn_once(f"refused:{type(again).__name__}", "portable_spec: %s", again)
+            LOG.warning(f"refused:{type(again).__name__}", "portable_spec: %s", again)
             return None
     nodes = draft.shape[1]
     words = (vocab_size + 31) // 32
@@ -180,6 +154,9 @@ def _library_rows(
 ) -> tuple[Any, np.ndarray | None]:
     import torch
 
+    drafted = drafting.drafted_rows(plan, arrays, vocab_size, device)
+    if drafted is not None:  # the step was drafted in a session: its rows, gathered
+        return drafted
     next_token, next_sibling, draft = arrays
     if chain:
         tree = ps.GrammarTree.from_linear_chain(draft)

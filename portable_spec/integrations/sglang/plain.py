@@ -24,7 +24,7 @@ import numpy as np
 from portable_spec.builder.routes import parts_for
 from portable_spec.integrations.sglang import internals
 from portable_spec.integrations.sglang.internals import REASONER, XGRAMMAR, logger
-from portable_spec.integrations.sglang.masks import STATS, Active
+from portable_spec.integrations.sglang.state import INTEGRATION, STATS
 
 __all__ = ["MIN_ROWS", "fill_replacement"]
 
@@ -71,8 +71,10 @@ def _fill(original: Any, entries: Any, vocab_mask: Any) -> None:
         return
     if rest:
         original(rest, vocab_mask)
-    mine = [e for e in entries if e not in rest] if rest or Active.mode == "shadow" else entries
-    if Active.mode == "shadow":
+    mine = (
+        [e for e in entries if e not in rest] if rest or INTEGRATION.mode == "shadow" else entries
+    )
+    if INTEGRATION.mode == "shadow":
         original(mine, vocab_mask)  # sglang's rows, the ones used (its errors its own)
         ours = vocab_mask[rows].clone()
         _batch_fill(original, mine, matchers, ours, None, words)

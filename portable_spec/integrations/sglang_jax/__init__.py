@@ -9,44 +9,37 @@ Off by default. Two ways to switch it on:
   ships installs the patches in whichever process sglang-jax creates its scheduler
   (:mod:`.hook`).
 
-The package, by job:
+The package, as every engine package of the library:
 
-* :mod:`.revisions`: the functions patched and their source at each sglang-jax revision known
-  (any other source: one warning line, nothing patched);
+* :mod:`.internals`: the only file that names sglang-jax's internals: the functions patched,
+  their source at each sglang-jax revision known (any other source: one warning line, nothing
+  patched), the version, what the integration calls of sglang-jax's own;
+* :mod:`.patches`: what is replaced, target by target, and by what;
+* :mod:`.state`: the switches, the counters, the once-per-process lines;
 * :mod:`.verify` and :mod:`.masks`: the verify mask, staged before the target forward and
   applied to the verify logits;
 * :mod:`.draft`: grammar-aware EAGLE drafting through a :class:`portable_spec.DraftSession`;
 * :mod:`.fused`: the overlap schedule's fused verify, the mask an input of the jitted step;
 * :mod:`.fixes` (with :mod:`.grammar`): sglang-jax's own bugs on this path, one patch per
   entry of ``docs/sglang-jax-upstream.md``, each dropped when sglang-jax fixes it;
-* :mod:`.state`: the switches, the logger, the counters; :mod:`.hook`: the process switch.
+* :mod:`.hook`: the process switch.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from typing import Any
 
-from portable_spec.integrations.patching import Patch, PatchSet
-from portable_spec.integrations.sglang_jax import draft, fused, revisions, verify
-from portable_spec.integrations.sglang_jax.fixes import FIXES
-from portable_spec.integrations.sglang_jax.revisions import REVISIONS
 from portable_spec.integrations.sglang_jax.state import (
     DRAFTING_ENV_VAR,
     ENV_VAR,
-    STATS,
+    INTEGRATION,
     SWITCHES,
     TIMING_ENV_VAR,
-    logger,
 )
 
 __all__ = [
     "DRAFTING_ENV_VAR",
     "ENV_VAR",
-    "MASKS",
-    "PATCHES",
-    "REVISIONS",
     "TIMING_ENV_VAR",
     "install",
     "integration_stats",
@@ -58,77 +51,37 @@ __all__ = [
 ]
 
 
-def _drafting() -> bool:
-    return SWITCHES["drafting"]
-
-
-#: The mask work: what the library adds to sglang-jax.
-MASKS: tuple[Patch, ...] = (
-    Patch(revisions.VERIFY, verify.wrap_verify),
-    Patch(revisions.SAMPLE, verify.wrap_sample),
-    Patch(revisions.TOPK, draft.wrap_topk),
-    Patch(revisions.SELECT, draft.wrap_select),
-    Patch(revisions.DRAFT, lambda own: draft.wrap_draft_forward(own, _drafting)),
-    Patch(revisions.EXTEND_DECODE, lambda own: draft.wrap_extend(own, "draft_extend_for_decode")),
-    Patch(revisions.EXTEND_PREFILL, lambda own: draft.wrap_extend(own, "draft_extend_for_prefill")),
-    Patch(revisions.BUILD_VERIFY, fused.fused_verify_builder),
-    Patch(revisions.FUSED_VERIFY, fused.spec_decode_verify),
-    Patch(revisions.LOGITS, fused.logits_processor),
-)
-
-#: Everything the integration patches: sglang-jax's fixes first, so that on a function both
-#: patch (``EagleVerifyInput.sample``) the mask work wraps the fixed function.
-PATCHES: tuple[Patch, ...] = (*FIXES, *MASKS)
-
-
-def _version() -> str | None:
-    """sglang-jax's reported version, ``None`` when it is not installed."""
-    if importlib.util.find_spec("sgl_jax") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang-jax")
-    except importlib.metadata.PackageNotFoundError:  # importable from a source tree
-        return ""
-
-
-_PATCH_SET = PatchSet(
-    "sglang-jax", patches=PATCHES, revisions=REVISIONS, version=_version, logger=logger
-)
-
-
 def install(mode: str = "on") -> bool:
     """Patch sglang-jax in this process (idempotent, thread-safe). Returns whether the patches
     are in place: ``False`` (one warning line; sglang-jax's own code keeps running) for an
     sglang-jax whose patched functions the integration does not know, ``False`` without a
     word when sglang-jax is not installed. ``mode`` is ``"on"``: sglang-jax's verify has no
     result of its own to compare with (no shadow mode); anything else raises ValueError."""
-    if mode != "on":
-        raise ValueError(f"sglang-jax integration mode {mode!r}: only 'on' (no shadow mode)")
-    return _PATCH_SET.install()
+    return INTEGRATION.install(mode)
 
 
 def uninstall() -> None:
-    """Put sglang-jax's own functions back (this process)."""
-    _PATCH_SET.uninstall()
+    """Put sglang-jax's own functions back (this process), and stop the process switch
+    (:mod:`.hook`) from installing them again."""
+    INTEGRATION.uninstall()
 
 
 def is_installed() -> bool:
     """Whether the patches are in place in this process."""
-    return _PATCH_SET.is_installed()
+    return INTEGRATION.is_installed()
 
 
 def integration_stats() -> dict[str, Any]:
     """A snapshot of this process's counters and series (:data:`.state.COUNTERS`,
     :data:`.state.SERIES`) in the shape of every integration's stats. Never blocks on the
     device."""
-    return STATS.snapshot()
+    return INTEGRATION.integration_stats()
 
 
 def reset_stats() -> None:
-    """Forget this process's counters and timings; the warning for an sglang-jax the
-    integration does not know may be logged again."""
-    STATS.reset()
-    _PATCH_SET.reset_warning()
+    """Forget this process's counters and timings; the once-per-process lines, and the warning
+    about an sglang-jax the integration does not know, may be logged again."""
+    INTEGRATION.reset_stats()
 
 
 def set_drafting(on: bool) -> None:

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 import portable_spec as ps
+from portable_spec.integrations.sglang_jax import internals
 from portable_spec.integrations.sglang_jax.masks import active_matcher, slot_grammars
-from portable_spec.integrations.sglang_jax.state import logger
+from portable_spec.integrations.sglang_jax.state import LOG
 
 __all__ = ["DraftContext", "wrap_draft_forward", "wrap_extend", "wrap_select", "wrap_topk"]
 
@@ -169,7 +170,12 @@ def _open(worker: Any, model_worker_batch: Any) -> DraftContext | None:
     try:
         return _start(worker, model_worker_batch, matchers)
     except Exception as exc:
-        logger.warning("portable_spec: drafting without grammar masks this step: %s", exc)
+        LOG.warning(
+            f"draft:{type(exc).__name__}",
+            "portable_spec: drafting without grammar masks (this step and any other failing "
+            "so): %s",
+            exc,
+        )
         return None
 
 
@@ -212,9 +218,7 @@ def _mask_root(worker: Any, batch: Any, spec: Any, session: Any, matchers: list,
     mask = session.root_mask()  # [batch, words] in the draft vocabulary
     picked = jnp.asarray(np.asarray(order))
     masked = ps.apply_vocab_mask(logits, jnp.take(mask, picked, axis=0))
-    from sgl_jax.srt.speculative import eagle_draft_worker as module
-
-    probs, index = module.topk_probs_from_logits(masked, worker.topk)
+    probs, index = internals.topk_probs_from_logits()(masked, worker.topk)
     if worker.hot_token_ids is not None:
         index = worker._map_hot_token_ids(index)
     topk_p = jnp.asarray(spec.topk_p).at[picked].set(probs.astype(jnp.asarray(spec.topk_p).dtype))

@@ -2,7 +2,7 @@
 one by one: each :class:`Patch` here carries, in ``fixes``, the heading of its entry in
 ``docs/sglang-jax-upstream.md``, which names the patch back. None of them adds a mask.
 
-When sglang-jax fixes one, the entry of that revision in :mod:`.revisions` drops the fix's
+When sglang-jax fixes one, the entry of that revision in :mod:`.internals` drops the fix's
 target (or names its bug in ``fixed`` where the mask work patches the same function), and
 that patch alone is left out.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from portable_spec.integrations.patching import Patch
-from portable_spec.integrations.sglang_jax import revisions
+from portable_spec.integrations.sglang_jax import internals
 from portable_spec.integrations.sglang_jax.grammar import (
     accept_tokens,
     own_grammar_objects,
@@ -81,9 +81,7 @@ def _finish_request(req: Any, token: int) -> None:
     """Finish ``req`` on ``token`` (its grammar's end) when the scheduler next checks it."""
     if req.finished() or getattr(req, "to_finish", None) is not None:
         return
-    from sgl_jax.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
-
-    req.to_finish = FINISH_MATCHED_TOKEN(matched=int(token))
+    req.to_finish = internals.finish_on_token(token)
 
 
 # -- a tree's accepted path --------------------------------------------------------------------
@@ -169,12 +167,10 @@ def _run_in_order(original: Callable[..., Any]) -> Callable[..., Any]:
             and batch.forward_mode.is_decode()
             and _has_grammar(batch)
         ):
-            from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
-
             done_batch, done_result = queue.popleft()
             done_batch.next_batch_sampling_info = None
             self.process_batch_result(done_batch, done_result, None)
-            done_batch.forward_mode = ForwardMode.DUMMY_FIRST  # the loop's pop: a no-op entry
+            done_batch.forward_mode = internals.dummy_first_mode()  # the loop's pop: a no-op entry
             queue.appendleft((done_batch, None))
         return original(self, batch)
 
@@ -194,17 +190,15 @@ def _has_grammar(batch: Any) -> bool:
 def _own_grammars(original: Callable[..., Any]) -> Callable[..., Any]:
     """``BaseGrammarBackend.get_cached_or_future_value``: every request a grammar object of its
     own (a copy of a cache hit, a copy of a compile's result for a request that waited)."""
-    from sgl_jax.srt.constrained.base_grammar_backend import INVALID_GRAMMAR_OBJ
-
-    return own_grammar_objects(original, INVALID_GRAMMAR_OBJ)
+    return own_grammar_objects(original, internals.invalid_grammar_object())
 
 
-LIST_ACCEPT = Patch(revisions.ACCEPT, _accept_list, fixes=ACCEPT_LIST_BUG)
-LIST_END = Patch(revisions.RESOLVE, _end_at_grammar_end, fixes=ACCEPT_LIST_BUG)
-TREE_PATH = Patch(revisions.SAMPLE, _commit_path, fixes=TREE_BUG)
-ROW_DEFAULTS = Patch(revisions.BATCH_MASK, _row_defaults, fixes=ROWS_BUG)
-RUN_ORDER = Patch(revisions.RUN_BATCH, _run_in_order, fixes=ORDER_BUG)
-OWN_GRAMMARS = Patch(revisions.GRAMMAR_CACHE, _own_grammars, fixes=SHARED_BUG)
+LIST_ACCEPT = Patch(internals.ACCEPT, _accept_list, fixes=ACCEPT_LIST_BUG)
+LIST_END = Patch(internals.RESOLVE, _end_at_grammar_end, fixes=ACCEPT_LIST_BUG)
+TREE_PATH = Patch(internals.SAMPLE, _commit_path, fixes=TREE_BUG)
+ROW_DEFAULTS = Patch(internals.BATCH_MASK, _row_defaults, fixes=ROWS_BUG)
+RUN_ORDER = Patch(internals.RUN_BATCH, _run_in_order, fixes=ORDER_BUG)
+OWN_GRAMMARS = Patch(internals.GRAMMAR_CACHE, _own_grammars, fixes=SHARED_BUG)
 
 #: Every fix, in the order of docs/sglang-jax-upstream.md (installed before the mask patches:
 #: on a function both patch, the mask work wraps sglang-jax's function as fixed).

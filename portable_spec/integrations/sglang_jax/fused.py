@@ -23,8 +23,10 @@ from functools import lru_cache
 from typing import Any
 
 import portable_spec as ps
+from portable_spec.integrations.sglang_jax import internals
+from portable_spec.integrations.sglang_jax.internals import logger
 from portable_spec.integrations.sglang_jax.masks import active_matcher, slot_grammars
-from portable_spec.integrations.sglang_jax.state import STATS, logger
+from portable_spec.integrations.sglang_jax.state import STATS
 
 __all__ = [
     "fused_verify_builder",
@@ -41,7 +43,8 @@ def masked_logits_metadata() -> type:
     """``LogitsMetadata`` with a grammar mask among its pytree children (made on first use:
     it subclasses sglang-jax's class)."""
     from jax.tree_util import register_pytree_node_class
-    from sgl_jax.srt.layers.logits_processor import LogitsMetadata
+
+    LogitsMetadata = internals.logits_metadata_class()
 
     @register_pytree_node_class
     class MaskedLogitsMetadata(LogitsMetadata):
@@ -232,21 +235,18 @@ def chain_tokens(
 @lru_cache(maxsize=64)
 def _chain_fn(nodes: int, dp_size: int, batch: int, relay: bool, mapped: bool) -> Any:
     import jax
-    from sgl_jax.srt.speculative.draft_extend_fused import (
-        _build_chain_verify_arrays,
-        _map_eagle3_token_ids,
-    )
-    from sgl_jax.srt.speculative.relay_buffer import gather_spec_relay_buffers
+
+    build_chain, map_eagle3_ids, gather_relay = internals.chain_verify_functions()
 
     def chains(verified_id: Any, token_list: Any, draft_to_target: Any, relay_buffers: Any,
                future_indices: Any, seq_lens: Any) -> Any:  # fmt: skip
         if relay:
-            token_list, _, verified_id, _ = gather_spec_relay_buffers(
+            token_list, _, verified_id, _ = gather_relay(
                 relay_buffers, future_indices, dp_size=dp_size
             )
         if mapped:
-            token_list = _map_eagle3_token_ids(token_list, draft_to_target)
-        draft, *_ = _build_chain_verify_arrays(
+            token_list = map_eagle3_ids(token_list, draft_to_target)
+        draft, *_ = build_chain(
             verified_id=verified_id,
             token_list=token_list,
             seq_lens=seq_lens,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from portable_spec.integrations.sglang_jax.internals import logger
 from portable_spec.integrations.sglang_jax.masks import active_matcher
-from portable_spec.integrations.sglang_jax.state import logger
 
 __all__ = ["accept_tokens", "grammar_end", "own_grammar_objects", "truncate_at_grammar_end"]
 

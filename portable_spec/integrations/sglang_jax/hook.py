@@ -4,7 +4,7 @@ sglang-jax has no plugin entry point and starts its scheduler in a spawned proce
 ships ``portable_spec_sglang_jax.pth`` into site-packages; Python runs its one line at the
 start of every process, and that line imports nothing while ``PORTABLE_SPEC_SGLANG_JAX`` is
 unset, empty, ``0`` or ``off``. Otherwise it calls :func:`activate_from_env`: for ``1``/``on``
-an :class:`~portable_spec.integrations.patching.ImportHook` waits for sglang-jax's scheduler
+an :class:`~portable_spec.integrations.import_hook.ImportHook` waits for sglang-jax's scheduler
 module, and once it is imported ``Scheduler.__init__`` first installs the integration
 (:func:`portable_spec.integrations.sglang_jax.install`, its log line in the scheduler's log).
 Processes that never create a scheduler (the tokenizer, the detokenizer) patch nothing. Any
@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from portable_spec.integrations.patching import ImportHook, read_mode
-from portable_spec.integrations.sglang_jax.state import ENV_VAR, logger
+from portable_spec.integrations.face import read_mode
+from portable_spec.integrations.import_hook import ImportHook
+from portable_spec.integrations.sglang_jax.internals import TRIGGER, logger
+from portable_spec.integrations.sglang_jax.state import ENV_VAR, INTEGRATION
 
-__all__ = ["SCHEDULER_MODULE", "activate", "activate_from_env", "deactivate", "watching"]
-
-SCHEDULER_MODULE = "sgl_jax.srt.managers.scheduler"
+__all__ = ["activate", "activate_from_env", "deactivate", "watching"]
 _OWN_INIT = "__portable_spec_own_init__"  # on the wrapped Scheduler.__init__: sglang-jax's
 _REPORTED: set[str] = set()  # refusals already written to stderr
 
@@ -46,27 +46,22 @@ def activate_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 def activate() -> None:
     """Install the integration when sglang-jax creates its scheduler in this process (at once
-    if the scheduler module is already imported: its next ``Scheduler`` installs). Idempotent."""
-    _HOOK.activate()
+    if the scheduler module is already imported: its next ``Scheduler`` installs). Idempotent;
+    :func:`~portable_spec.integrations.sglang_jax.uninstall` stops it."""
+    INTEGRATION.watch(_SCHEDULER)
 
 
 def deactivate() -> None:
     """Stop waiting for the scheduler module and give ``Scheduler.__init__`` back (an
     installed integration stays installed: :func:`~portable_spec.integrations.sglang_jax.
-    uninstall` removes it)."""
-    _HOOK.deactivate()
-    scheduler = getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None)
-    own = getattr(getattr(scheduler, "__init__", None), _OWN_INIT, None)
-    if scheduler is not None and own is not None:
-        scheduler.__init__ = own
+    uninstall` removes it, and stops this hook too)."""
+    INTEGRATION.unwatch(_SCHEDULER)
 
 
 def watching() -> bool:
     """Whether this process waits for sglang-jax's scheduler module or has its
     ``Scheduler.__init__`` install the integration."""
-    scheduler = getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None)
-    wrapped = hasattr(getattr(scheduler, "__init__", None), _OWN_INIT)
-    return _HOOK.waiting() or wrapped
+    return _SCHEDULER.watching()
 
 
 def _install_first(module: ModuleType) -> None:
@@ -94,4 +89,26 @@ def _installing(own: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-_HOOK = ImportHook(SCHEDULER_MODULE, _install_first, logger)
+class _SchedulerHook:
+    """The scheduler module's import hook, and ``Scheduler.__init__`` wrapped once it is in."""
+
+    def __init__(self) -> None:
+        self._hook = ImportHook(TRIGGER, _install_first, logger)
+
+    def activate(self) -> None:
+        self._hook.activate()
+
+    def deactivate(self) -> None:
+        self._hook.deactivate()
+        scheduler = getattr(sys.modules.get(TRIGGER), "Scheduler", None)
+        own = getattr(getattr(scheduler, "__init__", None), _OWN_INIT, None)
+        if scheduler is not None and own is not None:
+            scheduler.__init__ = own
+
+    def watching(self) -> bool:
+        scheduler = getattr(sys.modules.get(TRIGGER), "Scheduler", None)
+        wrapped = hasattr(getattr(scheduler, "__init__", None), _OWN_INIT)
+        return self._hook.waiting() or wrapped
+
+
+_SCHEDULER = _SchedulerHook()

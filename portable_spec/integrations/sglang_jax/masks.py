@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import portable_spec as ps
-from portable_spec.integrations.sglang_jax.state import logger
+from portable_spec.integrations.sglang_jax.internals import logger
 
 __all__ = [
     "MaskJob",

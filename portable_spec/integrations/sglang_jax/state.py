@@ -1,22 +1,40 @@
-"""The sglang-jax integration's state in this process: its switches, its logger and its
-counters (one :class:`~portable_spec.integrations.patching.Stats` for the mask patches and
-the fixes alike)."""
+"""The sglang-jax integration's state in this process: its switches, its counters (one
+:class:`~portable_spec.integrations.telemetry.Stats` for the mask patches and the fixes alike),
+its once-per-process lines and its :class:`~portable_spec.integrations.face.Integration`.
+
+A new switch is a variable here (``*_ENV_VAR``, documented beside it) and, when the patches
+read it on every call, an entry of :data:`SWITCHES` (read from the environment at import, set
+by a ``set_*`` function of the package); a new counter a name in :data:`COUNTERS` (documented
+beside it), counted with ``STATS.add(name)``.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 
-from portable_spec.integrations.patching import Stats, read_mode
+from portable_spec.integrations.face import Integration, read_mode
+from portable_spec.integrations.sglang_jax import internals
+from portable_spec.integrations.telemetry import LogOnce, Stats
 
-__all__ = ["DRAFTING_ENV_VAR", "ENV_VAR", "STATS", "SWITCHES", "TIMING_ENV_VAR", "logger"]
+__all__ = [
+    "COUNTERS",
+    "DRAFTING_ENV_VAR",
+    "ENV_VAR",
+    "INTEGRATION",
+    "LOG",
+    "SERIES",
+    "STATS",
+    "SWITCHES",
+    "TIMING_ENV_VAR",
+]
 
+#: the integration's switch in an sglang-jax launch: ``1``/``on``, ``0``/``off``/unset (no
+#: shadow mode: sglang-jax's verify has no mask of its own to compare with); :mod:`.hook`
 ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX"
+#: ``1``: each masked step also measures the mask time the target forward did not hide
 TIMING_ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX_TIMING"
+#: ``0``: sglang-jax's own EAGLE drafts (unset or ``1``: drafts masked by the grammar)
 DRAFTING_ENV_VAR = "PORTABLE_SPEC_SGLANG_JAX_DRAFTING"
-
-#: sglang-jax's child logger: the lines land in the scheduler's log.
-logger = logging.getLogger("sgl_jax.portable_spec")
 
 #: ``verify_steps`` (patched verifies run), ``grammar_steps`` (those with a grammar request),
 #: ``masked_steps`` and ``masked_rows`` (steps and mask rows built, the overlap schedule's
@@ -41,6 +59,8 @@ COUNTERS = (
 SERIES = ("waited_s", "exposed_s", "step_s", "fused_build_s")
 
 STATS = Stats(COUNTERS, SERIES)
+#: a step left to sglang-jax's own code says why, once per kind (until reset_stats())
+LOG = LogOnce(internals.logger)
 
 
 def _drafting_default() -> bool:
@@ -56,3 +76,11 @@ SWITCHES = {
     "timing": read_mode(TIMING_ENV_VAR, shadow=False) == "on",
     "drafting": _drafting_default(),
 }
+
+INTEGRATION = Integration(
+    internals,
+    table="portable_spec.integrations.sglang_jax.patches",
+    modes=("on",),
+    stats=STATS,
+    log=LOG,
+)

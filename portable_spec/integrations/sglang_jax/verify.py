@@ -29,7 +29,7 @@ from portable_spec.integrations.sglang_jax.masks import (
     slot_grammars,
     start_mask,
 )
-from portable_spec.integrations.sglang_jax.state import STATS, SWITCHES, logger
+from portable_spec.integrations.sglang_jax.state import LOG, STATS, SWITCHES
 
 __all__ = ["wrap_sample", "wrap_verify"]
 
@@ -51,7 +51,12 @@ def _start_job(spec_info: Any, model_worker_batch: Any) -> MaskJob | None:
             vocab,
         )
     except Exception as exc:
-        logger.warning("portable_spec: verify mask not started (unmasked step): %s", exc)
+        LOG.warning(
+            f"verify:{type(exc).__name__}",
+            "portable_spec: verify mask not started (this step unmasked, and any other failing "
+            "so): %s",
+            exc,
+        )
         return None
 
 

@@ -11,7 +11,11 @@ vLLM's order is not the sorted one.
 
 Installed, this package replaces three methods of tpu-inference's runner (``runner.py``; its
 own code runs around them): the step's state kept for the mask, each logits row mapped to its
-request's row (``rows.py``), the mask applied in one jitted function (``apply.py``).
+request's row (``rows.py``), the mask applied in one jitted function (``apply.py``). The
+package, as every engine package of the library: ``internals.py`` (the only file that names
+tpu-inference's internals: what is replaced and read, the table of known releases, the
+version, accessors), ``patches.py`` (what is replaced, and by what), ``state.py`` (the
+switch, the counters, the once-per-process lines), then the modules of each job.
 
 Switch: ``PORTABLE_SPEC_VLLM=1`` (or ``on``, :data:`ENV_VAR`: tpu-inference runs inside vLLM
 and takes vLLM's switch): vLLM's entry point
@@ -27,19 +31,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from portable_spec.integrations.patching import ImportHook
-from portable_spec.integrations.tpu_inference.runner import (
-    RUNNER_MODULE,
-    STATS,
-    logger,
-    once,
-    patch_set,
-    version,
-)
+from portable_spec.integrations.tpu_inference import internals
+from portable_spec.integrations.tpu_inference.state import ENV_VAR, INTEGRATION
 
 __all__ = [
     "ENV_VAR",
-    "RUNNER_MODULE",
     "install",
     "install_on_import",
     "integration_stats",
@@ -47,12 +43,6 @@ __all__ = [
     "reset_stats",
     "uninstall",
 ]
-
-#: tpu-inference's switch is vLLM's (its entry point installs both)
-ENV_VAR = "PORTABLE_SPEC_VLLM"
-
-_patches = patch_set()
-_hook = ImportHook(RUNNER_MODULE, lambda module: install(), logger)
 
 
 def install(mode: str = "on") -> bool:
@@ -64,30 +54,27 @@ def install(mode: str = "on") -> bool:
     ``"on"`` (tpu-inference has no shadow mode: its own rows are the misplaced ones);
     ValueError otherwise. Idempotent; does not block.
     """
-    if mode != "on":
-        raise ValueError(f"tpu-inference's integration has one mode, 'on'; got {mode!r}")
-    return _patches.install()
+    return INTEGRATION.install(mode)
 
 
 def install_on_import() -> bool:
     """Patch tpu-inference's runner as soon as tpu-inference imports it in this process (now,
     if it already has). Returns False, importing nothing, where tpu-inference is not
     installed."""
-    if version() is None:
+    if internals.version() is None:
         return False
-    _hook.activate()
+    INTEGRATION.install_on_import(internals.TRIGGER)
     return True
 
 
 def uninstall() -> None:
     """Give tpu-inference's runner its own methods back (and stop waiting for its import)."""
-    _hook.deactivate()
-    _patches.uninstall()
+    INTEGRATION.uninstall()
 
 
 def is_installed() -> bool:
     """Whether tpu-inference's runner is patched in this process."""
-    return _patches.is_installed()
+    return INTEGRATION.is_installed()
 
 
 def integration_stats() -> dict[str, Any]:
@@ -95,11 +82,10 @@ def integration_stats() -> dict[str, Any]:
     (logits rows given a grammar row), ``skipped_requests`` (structured requests that were not
     in the runner's batch: their rows skipped, with a log line); ``median_us`` and ``samples``
     empty (no timings kept). Never blocks."""
-    return STATS.snapshot()
+    return INTEGRATION.integration_stats()
 
 
 def reset_stats() -> None:
-    """Zero this process's counters; the once-per-process warnings may be logged again."""
-    STATS.reset()
-    once.reset()
-    _patches.reset_warning()
+    """Forget every counter of this process; the once-per-process lines, and the warning about
+    a tpu-inference release the integration does not know, may be logged again."""
+    INTEGRATION.reset_stats()

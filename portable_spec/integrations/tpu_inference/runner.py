@@ -1,5 +1,4 @@
-"""tpu-inference's runner as the integration patches it: the table of known releases and the
-three replacements.
+"""tpu-inference's runner as the integration patches it: the three replacements.
 
 * ``TPUModelRunner.sample_tokens`` keeps a reference to the step's state
   (``execute_model_state``: the scheduled drafts, the spec-decode metadata, the requests per
@@ -14,113 +13,28 @@ three replacements.
   logits take their buffer; :mod:`~portable_spec.integrations.tpu_inference.apply`), so the
   batch's mix never recompiles it.
 
-Recognised by :data:`REVISIONS`: tpu-inference's version and the source hash of the three
-methods and of what they rely on, vLLM's ``grammar_bitmask`` among them (the packed rows, in
-vLLM's request order, that the patched methods read).
+Installed only on a release :mod:`.internals` knows (its version and the source hash of the
+three methods and of what they rely on, vLLM's ``grammar_bitmask`` among them).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import logging
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from portable_spec.hostbuffers import HostBufferPool
-from portable_spec.integrations.patching import LogOnce, Patch, PatchSet, Revision, Stats
+from portable_spec.integrations.tpu_inference import internals
 from portable_spec.integrations.tpu_inference.rows import RowMap, map_rows
+from portable_spec.integrations.tpu_inference.state import LOG, STATS
 
-__all__ = [
-    "REVISIONS",
-    "RUNNER_MODULE",
-    "STATS",
-    "patch_set",
-    "prepare_rows",
-    "version",
-]
+__all__ = ["decode_replacement", "prepare_replacement", "prepare_rows", "sample_tokens_replacement"]
 
-#: the module that defines ``TPUModelRunner`` (it imports the structured-decoding manager)
-RUNNER_MODULE = "tpu_inference.runner.tpu_runner"
-MANAGER_MODULE = "tpu_inference.runner.structured_decoding_manager"
-
-logger = logging.getLogger("vllm.portable_spec.tpu_inference")
-
-_RUNNER = f"{RUNNER_MODULE}:TPUModelRunner"
-_MANAGER = f"{MANAGER_MODULE}:StructuredDecodingManager"
-SAMPLE_TOKENS = f"{_RUNNER}.sample_tokens"
-PREPARE = f"{_MANAGER}.prepare_structured_decoding_input"
-DECODE = f"{_MANAGER}.structured_decode_fn"
-# what the replacements read: the manager's runner, the step state's and the spec-decode
-# metadata's fields, tpu-inference's upload, the inputs its start-up precompilation passes,
-# and vLLM's packed rows
-_INIT = f"{_MANAGER}.__init__"
-_STATE = f"{RUNNER_MODULE}:ExecuteModelState"
-_META = "tpu_inference.runner.utils:SpecDecodeMetadata"
-_UPLOAD = "tpu_inference.utils:device_array"
-_PRECOMPILE = (
-    "tpu_inference.runner.compilation_manager:CompilationManager._precompile_structured_decoding"
-)
-_VLLM_ROWS = "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask"
-READS = (_INIT, _STATE, _META, _UPLOAD, _PRECOMPILE, _VLLM_ROWS)
-
-#: The tpu-inference releases this integration knows (with the vLLM release whose rows they
-#: read): version prefix and the source hash of every target at that release.
-REVISIONS: dict[str, Revision] = {
-    "0.32": Revision(
-        "0.32",
-        {
-            SAMPLE_TOKENS: "6e202795a762dce5a2a1dcbc41c625402e0787422cb02a3f56a0766f3fc504fe",
-            PREPARE: "284dc17855c0fd07a1c484ac2296e9acb880cfaafe991563eeb2c44519b73edb",
-            DECODE: "8f9c16a5f6cc21f95bcb8076714bf214286e94be82ff536c64740bec9fa168eb",
-            _INIT: "989bbfccc41b2c6eb09cc17d3d4a20105979bdfca81f105c3c862df79c32fa39",
-            _STATE: "f2a0f2d90e4f566c5f72e5eba83fd31fba51565d7b4be47ce1b69d81570f5eab",
-            _META: "61cbf78a2d4017b71259f7c8f1eba2a4900312e96bc9dc53e715a92d7ebeac9a",
-            _UPLOAD: "13973abbdcafb7e514451f23a0a4207d0736aea8f7cda049718eb30df88dd159",
-            _PRECOMPILE: "d85dc4489b240c02977ee85773648b58ab2288e6fddcd9e291b3033fff0b9f9e",
-            # vLLM 0.32's grammar_bitmask: packed rows in structured_output_request_ids order
-            _VLLM_ROWS: "46f2867ad31aea096ea3a719c5336d4736df94cf2142fd6b0eb68b006aa2a30c",
-        },
-    ),
-}
-
-STATS = Stats(("steps", "rows", "skipped_requests"))
-once = LogOnce(logger)
 _pool = HostBufferPool(max_free=4)
 
 
-def version() -> str | None:
-    """tpu-inference's installed version, or None without tpu-inference (imports nothing)."""
-    if importlib.util.find_spec("tpu_inference") is None:
-        return None
-    for name in ("tpu-inference", "tpu_inference"):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def patch_set() -> PatchSet:
-    """tpu-inference's patch set: the three replacements, :data:`READS` recognised."""
-    return PatchSet(
-        "tpu-inference",
-        patches=[
-            Patch(SAMPLE_TOKENS, _sample_tokens),
-            Patch(PREPARE, _prepare),
-            Patch(DECODE, _decode),
-            *(Patch(target) for target in READS),
-        ],
-        revisions=REVISIONS,
-        version=lambda: version(),
-        logger=logger,
-    )
-
-
-def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+def sample_tokens_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
         manager = getattr(self, "structured_decoding_manager", None)
         if grammar_output is None or manager is None:
@@ -135,7 +49,7 @@ def _sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     return sample_tokens
 
 
-def _prepare(original: Callable[..., Any]) -> Callable[..., Any]:
+def prepare_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     def prepare_structured_decoding_input(
         self: Any, logits: Any, grammar_output: Any
     ) -> tuple[Any, None, None]:
@@ -144,7 +58,7 @@ def _prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     return prepare_structured_decoding_input
 
 
-def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
+def decode_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     from portable_spec.integrations.tpu_inference.apply import apply_flagged, apply_packed
 
     def structured_decode_fn(
@@ -205,7 +119,7 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, N
         )
     runner = manager.runner
     step = getattr(manager, "_portable_spec_step", None) or runner.execute_model_state
-    ranks, drafts, spec_tokens = _layout(runner, step, num_logits)
+    ranks, drafts, spec_tokens = internals.step_layout(runner, step, num_logits)
     rows = map_rows(
         list(grammar_output.structured_output_request_ids),
         spec_tokens,
@@ -216,7 +130,7 @@ def prepare_rows(manager: Any, logits: Any, grammar_output: Any) -> tuple[Any, N
     )
     if rows.skipped:
         STATS.add("skipped_requests", len(rows.skipped))
-        once.warning(
+        LOG.warning(
             "skipped",
             "portable_spec: structured requests %s are not in tpu-inference's batch: their "
             "grammar rows are skipped (counted in integration_stats)",
@@ -238,41 +152,4 @@ def _upload(manager: Any, rows: RowMap, bitmask: np.ndarray, num_logits: int) ->
     except BaseException:
         _pool.release(buffer)
         raise
-    # tpu-inference's own upload helper (its device_put, or its multi-host path)
-    device_array = sys.modules[MANAGER_MODULE].device_array
-    return device_array(manager.runner.mesh, _pool.lend(buffer))
-
-
-def _layout(
-    runner: Any, step: Any, num_logits: int
-) -> tuple[list[Sequence[str]], list[np.ndarray] | None, dict[str, Sequence[int]]]:
-    """The step's requests per rank in logits order, their draft counts per rank (None:
-    one row each) and vLLM's scheduled drafts, from tpu-inference's step state."""
-    if step is None:
-        if getattr(runner, "speculative_config", None) is not None:
-            raise ValueError(
-                "speculative decoding: the grammar rows need the step's spec-decode metadata; "
-                "prepare_structured_decoding_input must run inside TPUModelRunner.sample_tokens "
-                "(or while execute_model_state is set)"
-            )
-        if getattr(runner, "dp_size", 1) != 1:
-            raise ValueError("data parallelism: the step's state is needed to place rows")
-        batch = runner.input_batch
-        return [list(batch.req_ids[: batch.num_reqs])], None, {}
-    spec_tokens = step.scheduler_output.scheduled_spec_decode_tokens
-    meta = step.spec_decode_metadata
-    by_rank = step.req_ids_dp or (meta.req_ids_dp if meta is not None else None)
-    if not by_rank:
-        raise ValueError("the step's state lists no requests per data-parallel rank")
-    ranks = [by_rank[rank] for rank in range(len(by_rank))]
-    if meta is None:
-        return ranks, None, spec_tokens
-    logits_rows = int(meta.final_logits_indices.shape[0])
-    if logits_rows != num_logits:
-        raise ValueError(
-            f"the logits have {num_logits} rows, the step's spec-decode metadata {logits_rows}"
-        )
-    lengths = np.asarray(meta.draft_lengths_cpu)
-    per_rank = len(lengths) // len(ranks)
-    drafts = [lengths[rank * per_rank : (rank + 1) * per_rank] for rank in range(len(ranks))]
-    return ranks, drafts, spec_tokens
+    return internals.device_array(manager.runner.mesh, _pool.lend(buffer))

@@ -6,7 +6,7 @@ takes the step: xgrammar's or guidance's short path (the one of vLLM's backend f
 checked path; a step the library refuses (or a configuration it leaves alone) runs vLLM's own
 fill. ``shadow``: both builds on every step, in alternating order, into separate buffers;
 vLLM's rows are returned, every differing row is counted and logged with its request ids, and
-both builds' times are kept (:data:`STATS`).
+both builds' times are kept (``state.STATS``).
 """
 
 from __future__ import annotations
@@ -18,37 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from portable_spec.integrations.patching import LogOnce, Stats
+from portable_spec.integrations.telemetry import LogOnce
 from portable_spec.integrations.vllm import internals
 from portable_spec.integrations.vllm.checked import checked_rows, plan_step
 from portable_spec.integrations.vllm.guidance import guidance_rows
 from portable_spec.integrations.vllm.rows import Rows, stride_of
+from portable_spec.integrations.vllm.state import INTEGRATION, LOG, LOG_EVERY_ENV_VAR, STATS
 from portable_spec.integrations.vllm.xgrammar import fast_rows
 
-__all__ = ["LOG_EVERY_ENV_VAR", "STATS", "Active", "build_or_none", "replacement", "reset_warnings"]
+__all__ = ["build_or_none", "replacement"]
 
-LOG_EVERY_ENV_VAR = "PORTABLE_SPEC_VLLM_LOG_EVERY"
-
-#: this process's counters (``integration_stats()``): ``calls`` (``grammar_bitmask`` calls
-#: seen), ``built`` (steps the library built), ``fallback_steps`` (steps given to vLLM's own
-#: fill), ``rows_compared`` and ``rows_differing`` (shadow mode); per-call times of the
-#: library's build ("portable_spec") and of vLLM's own fill ("vllm", shadow mode only), by the
-#: number of structured requests in the call
-STATS = Stats(
-    ("calls", "built", "fallback_steps", "rows_compared", "rows_differing"),
-    builds=("portable_spec", "vllm"),
-)
-_once = LogOnce(internals.logger)  # a step left to vLLM: why, once per kind (until reset)
-_announced = LogOnce(internals.logger)  # which path builds what: once per process
 _STATE = "_portable_spec"  # the plugin's per-manager state, kept on vLLM's manager
-
-
-class Active:
-    """What the replacement reads on every call: the mode (``"on"`` or ``"shadow"``) and the
-    row layout of the vLLM release installed (None until it is known: vLLM's own runs)."""
-
-    mode = "on"
-    layout: str | None = None
+#: which path builds what: said once per process (reset_stats() does not say it again)
+_ANNOUNCED = LogOnce(internals.logger)
 
 
 class _ManagerState:
@@ -63,14 +45,10 @@ class _ManagerState:
         self.scratch: np.ndarray | None = None
 
 
-def reset_warnings() -> None:
-    """The plugin's once-per-process log lines may be logged again."""
-    _once.reset()
-
-
 def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
-    """vLLM's ``grammar_bitmask`` replaced: the rows built by the library (:data:`Active`'s
-    mode), vLLM's ``original`` for what the library leaves to it."""
+    """vLLM's ``grammar_bitmask`` replaced: the rows built by the library (in the
+    integration's mode, by the row layout of the release installed), vLLM's ``original`` for
+    what the library leaves to it (all of it while the plugin is not installed)."""
     every = int(os.environ.get(LOG_EVERY_ENV_VAR, "1000") or 0)
     announced: list[bool] = []  # the first step says the plugin is on (vLLM's logging is set)
 
@@ -81,10 +59,11 @@ def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> Any:
         args = (requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        layout = Active.layout
-        if layout is None:
+        revision = INTEGRATION.revision
+        if revision is None:
             return original(self, *args)
-        mode = Active.mode
+        layout = internals.LAYOUTS[revision]
+        mode = INTEGRATION.mode
         if not announced:
             announced.append(True)
             internals.logger.info(
@@ -195,7 +174,7 @@ def _manager_state(manager: Any) -> _ManagerState | None:
     setup = internals.bitmask_setup(manager)
     if isinstance(setup, str):
         if setup:
-            _once.warning(setup, "portable_spec: %s models keep vLLM's own fill", setup)
+            LOG.warning(setup, "portable_spec: %s models keep vLLM's own fill", setup)
         return None
     state = _ManagerState(*setup)
     setattr(manager, _STATE, state)
@@ -235,7 +214,7 @@ def build_or_none(
             rows = None
         if rows is not None:
             if path is guidance_rows:  # the library's chain build is slower than this fill
-                _announced.info(
+                _ANNOUNCED.info(
                     "guidance",
                     "portable_spec: guidance chains written by llguidance's own chain fill "
                     "(unsafe_compute_mask_ptr_with_draft_token, one call per request), vLLM's "
@@ -245,12 +224,12 @@ def build_or_none(
     try:
         plan = plan_step(manager, requests, ids, spec_tokens, stride - 1 if stride else None)
     except LookupError as exc:
-        _once.warning(f"backend:{exc}", "portable_spec: %s grammars keep vLLM's own fill", exc)
+        LOG.warning(f"backend:{exc}", "portable_spec: %s grammars keep vLLM's own fill", exc)
         return None
     try:
         return checked_rows(plan, buffer)
     except (ValueError, TypeError, RuntimeError) as exc:  # refused before any matcher moved
-        _once.warning(
+        LOG.warning(
             f"refused:{type(exc).__name__}",
             "portable_spec: build refused (%s): vLLM's own fill for such steps",
             exc,

