@@ -105,3 +105,14 @@ def test_outputs_follow_their_constraint(run):
                 assert content in constraint["choice"], content
             checked += 1
     assert checked >= 10
+
+
+def test_sampled_requests_get_forced_drafts_and_stay_valid(run):
+    """n-gram drafts carry no draft probabilities: vLLM's rejection sampler takes each draft
+    with the target's own probability of it, so a sampled request's drafts are extended too
+    (its output distribution is unchanged; its text is checked above). Drafters that keep
+    probabilities keep vLLM's drafts: test_forced_replay.py's configuration rule."""
+    sampled = [i for i, c in enumerate(CASES) if c.get("temperature")]
+    assert sampled
+    extended = {case for case, *_ in run["runs"]["on"]["extensions"]}
+    assert set(sampled) <= extended
