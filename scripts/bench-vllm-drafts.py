@@ -3,7 +3,8 @@ masks only, forced drafts; n-gram speculation at K=4 and K=8.
 
 Usage: ``.venv-vllm/bin/python scripts/bench-vllm-drafts.py [--k 4 8] [--requests 12]
 [--rounds 3] [--workloads invoice tool_call free regex] [--json OUT]``
-(``bash scripts/setup-vllm.sh`` first; in-process engine, SmolLM2-135M fp32 on the CPU).
+(``bash scripts/setup-vllm.sh`` first; in-process engine, SmolLM2-135M fp32 on the CPU);
+``--tables OUT.json ...`` prints the tables of earlier runs again.
 
 One engine per K. Each round runs every workload under the three modes in a random order
 (interleaved: the machine's load falls on all alike), each a ``generate`` call of
@@ -223,8 +224,21 @@ def main() -> None:
         "--modes", nargs="+", default=list(MODES), choices=["off", "masks", *VARIANTS]
     )
     parser.add_argument("--json", help="write the tables here too")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        metavar="JSON",
+        help="print the tables of earlier --json outputs (nothing is run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.tables:
+        tables: dict = {}
+        for path in args.tables:
+            with open(path) as f:
+                tables.update(json.load(f))
+        print_tables(tables, args.workloads, args.modes)
+        return
     rng = random.Random(args.seed)
     load = os.getloadavg()[0]
     if len(args.k) > 1:  # vLLM's CPU platform starts one engine per process: one K each
@@ -246,31 +260,40 @@ def main() -> None:
         f"medians of {args.rounds} interleaved rounds; load average {load:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end on {os.cpu_count()} CPUs"
     )
-    header = (
-        "| K | workload | mode | forward steps | steps vs off | output tokens | tokens/step "
-        "| accepted/drafted | forced drafted | forced accepted | wall s | wall vs off "
-        "| identical | valid |"
-    )
-    print(header)
-    print("|" + "---|" * 14)
-    for k, table in tables.items():
-        for name in args.workloads:
-            off = table[f"{name}/off"]
-            for mode in args.modes:
-                r = table[f"{name}/{mode}"]
-                acc = r["accepted"] / r["drafts"] if r["drafts"] else 0.0
-                print(
-                    f"| {k} | {name} | {mode} | {r['steps']:.0f} | "
-                    f"{off['steps'] / r['steps']:.2f}x | {r['output_tokens']:.0f} | "
-                    f"{r['output_tokens'] / r['steps']:.2f} | {acc:.2f} | "
-                    f"{r['forced_drafted']:.0f} | {r['forced_accepted']:.0f} | "
-                    f"{r['wall_s']:.1f} | {off['wall_s'] / r['wall_s']:.2f}x | "
-                    f"{'yes' if r['identical_to_off'] else 'NO'} | "
-                    f"{r['valid']:.0f}/{args.requests} |"
-                )
+    print_tables(tables, args.workloads, args.modes, args.requests)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(k): t for k, t in tables.items()}, f, indent=1)
+
+
+def print_tables(
+    tables: dict, names: list[str], modes: list[str], requests: int | None = None
+) -> None:
+    """One Markdown row per (K, workload, mode): forward steps (and ``off``'s / these), output
+    tokens per second of wall time, output tokens per forward step, vLLM's accepted drafts per
+    forward step and per drafted token, the plugin's forced tokens drafted and accepted, wall
+    time (and ``off``'s / this), outputs identical to ``off``, outputs valid."""
+    print(
+        "| K | workload | mode | forward steps | steps vs off | output tok/s | tokens/step "
+        "| accepted/step | accepted/drafted | forced drafted | forced accepted | wall s "
+        "| wall vs off | identical | valid |"
+    )
+    print("|" + "---|" * 15)
+    for k, table in tables.items():
+        for name in names:
+            off = table[f"{name}/off"]
+            for mode in modes:
+                r = table[f"{name}/{mode}"]
+                acc = r["accepted"] / r["drafts"] if r["drafts"] else 0.0
+                of = f"/{requests}" if requests else ""
+                print(
+                    f"| {k} | {name} | {mode} | {r['steps']:.0f} | "
+                    f"{off['steps'] / r['steps']:.2f}x | {r['output_tokens'] / r['wall_s']:.1f} | "
+                    f"{r['output_tokens'] / r['steps']:.2f} | {r['accepted'] / r['steps']:.2f} | "
+                    f"{acc:.2f} | {r['forced_drafted']:.0f} | {r['forced_accepted']:.0f} | "
+                    f"{r['wall_s']:.1f} | {off['wall_s'] / r['wall_s']:.2f}x | "
+                    f"{'yes' if r['identical_to_off'] else 'NO'} | {r['valid']:.0f}{of} |"
+                )
 
 
 def _version() -> str:
