@@ -104,7 +104,11 @@ def test_outputs_follow_their_constraint(run):
             else:
                 assert content in constraint["choice"], content
             checked += 1
-    assert checked >= 10
+    assert checked >= 8
+    for i, (on, off) in enumerate(
+        zip(run["runs"]["on"]["finish"], run["runs"]["off"]["finish"], strict=True)
+    ):
+        assert on != "error" or off == "error", f"case {i}: an error only with forced drafts"
 
 
 def test_sampled_requests_get_forced_drafts_and_stay_valid(run):
