@@ -1,12 +1,11 @@
 """Run real vLLM (in-process engine) with forced drafts off, on and in shadow mode.
 
 Usage: ``python tests/real_vllm/forced_run.py OUT.json``. One engine start (xgrammar, n-gram
-speculation K=4, the period reasoning parser of ``period_reasoner.py`` with
-``enable_in_reasoning`` off); each mode is two ``generate`` calls: every case that answers at
-once, then the cases that reason first. Writes
+speculation K=4, no reasoning parser: forced drafts stay vLLM's under one); each mode is two
+``generate`` calls: every case that answers at once, then the cases that reason first. Writes
 per mode the token ids, texts and finish reasons of every output, the forward steps, the
-plugin's counters, and every extension the plugin made (request, whether the committed output
-or vLLM's own drafts held the reasoning's end token, vLLM's drafts, the extended drafts).
+plugin's counters, and every extension the plugin made (request, whether the committed output or
+vLLM's own drafts held the reasoning's end token, vLLM's drafts, the extended drafts).
 """
 
 from __future__ import annotations
@@ -52,11 +51,7 @@ def main(out_path: str) -> None:
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 1,
         },
-        structured_outputs_config={
-            "backend": "xgrammar",
-            "reasoning_parser": "period_think",
-            "reasoning_parser_plugin": os.path.join(HERE, "period_reasoner.py"),
-        },
+        structured_outputs_config={"backend": "xgrammar"},
         seed=0,
     )
     tokenizer = llm.get_tokenizer()
@@ -116,6 +111,8 @@ def main(out_path: str) -> None:
         # vLLM 0.32's own run (plugin off) ends most requests with "grammar rejected tokens".
         outputs: list = [None] * len(CASES)
         for group in (PLAIN, REASONING):
+            if not group:
+                continue
             done = llm.generate(
                 [CASES[i]["prompt"] for i in group], [params[i] for i in group], use_tqdm=False
             )

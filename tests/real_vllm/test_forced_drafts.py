@@ -68,14 +68,12 @@ def test_shadow_mode_counts_and_changes_nothing(run):
     assert shadow["stats"]["forced_drafted"] == 0 and shadow["extensions"] == []
 
 
-def test_nothing_is_forced_while_reasoning(run):
+def test_extensions_start_with_vllms_drafts(run):
     events = run["runs"]["on"]["extensions"]
     assert events and all(case >= 0 for case, *_ in events)
-    for case, ended, own, drafts in events:
+    for _case, _ended, own, drafts in events:
         assert drafts[: len(own)] == own  # vLLM's drafts, extended
         assert len(drafts) <= 4
-        if case in REASONING:
-            assert ended, f"case {case}: drafts extended while still reasoning"
 
 
 def _content(case, text):

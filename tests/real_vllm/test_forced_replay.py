@@ -252,11 +252,16 @@ def test_shadow_mode_and_configurations_whose_drafts_stay_vllms(world, patched):
         "synthetic": ("rejection sampling", {"rejection_sample_method": "synthetic"}),
         "ngram_gpu": ("speculative method", {"method": "ngram_gpu"}),
         "async": ("async scheduling", {}),
+        "reasoning parser": ("reasoning parser", {}),
     }
     for label, (why, spec) in rules.items():
         config = _config()
         config.speculative_config.__dict__.update(spec)
         config.scheduler_config.async_scheduling = label == "async"
+        if label == "reasoning parser":
+            config.structured_outputs_config = SimpleNamespace(
+                reasoning_parser="deepseek_r1", enable_in_reasoning=False
+            )
         got = internals.forced_drafts_rule(config)
         assert (why in got and got) if why else got == "", (label, got)
         scheduler = _scheduler(world, config)
