@@ -1,8 +1,8 @@
 """Run real vLLM (in-process engine) with forced drafts off, on and in shadow mode.
 
 Usage: ``python tests/real_vllm/forced_run.py OUT.json``. One engine start (xgrammar, n-gram
-speculation K=4, no reasoning parser: forced drafts stay vLLM's under one); each mode is two
-``generate`` calls: every case that answers at once, then the cases that reason first. Writes
+speculation K=4, no reasoning parser: forced drafts stay vLLM's under one); each mode is one
+``generate`` call per kind of constraint. Writes
 per mode the token ids, texts and finish reasons of every output, the forward steps, the
 plugin's counters, and every extension the plugin made (request, whether the committed output or
 vLLM's own drafts held the reasoning's end token, vLLM's drafts, the extended drafts).
@@ -23,9 +23,13 @@ os.environ.setdefault("PORTABLE_SPEC_VLLM_LOG_EVERY", "0")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from forced_cases import CASES, REASONING, K  # noqa: E402
+from forced_cases import CASES, K  # noqa: E402
 
-PLAIN = [i for i in range(len(CASES)) if i not in REASONING]
+#: the cases by kind of constraint (json schema, regex, choice, json_object), in case order
+GROUPS = [
+    [i for i, c in enumerate(CASES) if next(iter(c["constraint"])) == kind]
+    for kind in dict.fromkeys(next(iter(c["constraint"])) for c in CASES)
+]
 
 
 def main(out_path: str) -> None:
@@ -107,12 +111,10 @@ def main(out_path: str) -> None:
             )
             for c in CASES
         ]
-        # Requests that reason first go in a call of their own: batched with the others,
-        # vLLM 0.32's own run (plugin off) ends most requests with "grammar rejected tokens".
+        # One call per kind of constraint: with different kinds in one batch, vLLM 0.32's
+        # own run (plugin off) ended most requests with "grammar rejected tokens".
         outputs: list = [None] * len(CASES)
-        for group in (PLAIN, REASONING):
-            if not group:
-                continue
+        for group in GROUPS:
             done = llm.generate(
                 [CASES[i]["prompt"] for i in group], [params[i] for i in group], use_tqdm=False
             )
