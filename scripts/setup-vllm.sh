@@ -31,9 +31,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-vllm.tx
 fi
 # vLLM 0.33's structured-output modules (source only: there is no CPU build of 0.33, and its
 # manager imports fine on top of 0.32's package): the replay test of 0.33's strided rows runs
-# its manager, and the plugin's table of releases is checked against their source.
+# its manager, and the plugin's table of releases is checked against their source (and against
+# 0.33's scheduler and request modules, read as text).
 v033="$venv/vllm-0.33.0/structured_output.py"
-if [ ! -f "$v033" ] || [ ! -f "$venv/vllm-0.33.0/structured_output/request.py" ]; then
+if [ ! -f "$v033" ] || [ ! -f "$venv/vllm-0.33.0/structured_output/request.py" ] ||
+  [ ! -f "$venv/vllm-0.33.0/core/sched/scheduler.py" ]; then
   tmp=$(mktemp -d)
   if "$py" -m pip download --quiet --disable-pip-version-check --no-deps "vllm==0.33.0" -d "$tmp" 2>/dev/null; then
     mkdir -p "$(dirname "$v033")/structured_output"
@@ -47,6 +49,12 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
             with open(os.path.join(folder, name[len(prefix):]), "wb") as f:
                 f.write(wheel.read(name))
     source = wheel.read(prefix + "__init__.py")
+    # the scheduler and the request, read as text only (forced drafts' release-table rows)
+    for name in ("core/sched/scheduler.py", "request.py"):
+        path = os.path.join(os.path.dirname(sys.argv[2]), name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(wheel.read("vllm/v1/" + name))
 open(sys.argv[2], "wb").write(source)
 PY
   else

@@ -39,7 +39,15 @@ ENGINES = {
 FACE = {"ENV_VAR", "install", "uninstall", "is_installed", "integration_stats", "reset_stats"}
 # what each package shows beside the face
 EXTRAS = {
-    "vllm": {"LAYOUTS", "LOG_EVERY_ENV_VAR", "THREADS_ENV_VAR", "layout_for"},
+    "vllm": {
+        "FORCED_ENV_VAR",
+        "LAYOUTS",
+        "LOG_EVERY_ENV_VAR",
+        "LOOKUP_ENV_VAR",
+        "THREADS_ENV_VAR",
+        "WRITINGS_ENV_VAR",
+        "layout_for",
+    },
     "tpu_inference": {"install_on_import"},
     "sglang_jax": {"DRAFTING_ENV_VAR", "TIMING_ENV_VAR", "set_drafting", "set_timing"},
     "sglang": {"DRAFTING_ENV_VAR", "register", "set_drafting"},

@@ -75,6 +75,15 @@ def test_a_misspelt_switch_is_an_error_naming_it(monkeypatch, value):
         vllm_general_plugins()
 
 
+@pytest.mark.parametrize("name", ["FORCED_ENV_VAR", "WRITINGS_ENV_VAR", "LOOKUP_ENV_VAR"])
+def test_a_misspelt_forced_drafts_switch_is_an_error_naming_it(monkeypatch, name):
+    variable = getattr(vllm, name)
+    monkeypatch.setenv(variable, "sometimes")
+    with pytest.raises(ValueError, match=f"{variable}='sometimes'"):
+        vllm.install("on")
+    assert not vllm.is_installed()
+
+
 def test_modes_are_checked_before_anything_is_imported():
     with pytest.raises(ValueError, match="mode"):
         vllm.install("off")
@@ -88,15 +97,21 @@ def test_the_counters_shape():
     assert {k: snap[k] for k in ("calls", "built", "fallback_steps")} == dict.fromkeys(
         ("calls", "built", "fallback_steps"), 0
     )
-    assert snap["median_us"] == {"portable_spec": {}, "vllm": {}}
+    assert snap["median_us"] == {"portable_spec": {}, "vllm": {}, "forced_drafts": {}}
+    assert snap["forced_drafted"] == snap["forced_accepted"] == 0
     tpu_inference.reset_stats()
     assert tpu_inference.integration_stats()["skipped_requests"] == 0
 
 
 def test_the_release_table_names_every_target_it_checks():
-    """Each known vLLM release lists the replaced method, and a layout."""
+    """Each known vLLM release lists every replaced method (a target missing from a row would
+    silently not be installed on that release: the forced drafts' scheduler wrappers
+    included) and what forced drafts rely on, and a layout."""
     for label, revision in internals.REVISIONS.items():
-        assert internals.GRAMMAR_BITMASK in revision.sources
+        assert set(internals.TARGETS) <= set(revision.sources), label
+        assert {"update_draft_token_ids_in_output", "validate_tokens", "Request"} <= {
+            target.rpartition(".")[2].rpartition(":")[2] for target in revision.sources
+        }, label
         assert set(revision.sources) <= {*internals.TARGETS, *internals.READS}
         assert all(len(digest) == 64 for digest in revision.sources.values())
         assert vllm.layout_for(f"{label}.0") == internals.LAYOUTS[label]

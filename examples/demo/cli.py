@@ -69,6 +69,17 @@ def parser() -> argparse.ArgumentParser:
         "and print tokens/s, accepted tokens per step and the speed-up side by side",
     )
     p.add_argument(
+        "--no-forced",
+        action="store_true",
+        help="n-gram drafter: do not graft the grammar's forced continuation onto the drafts",
+    )
+    p.add_argument(
+        "--compare-forced",
+        action="store_true",
+        help="n-gram drafter: run it with and without forced drafts on the same prompt and "
+        "print tokens/s and accepted tokens per step side by side",
+    )
+    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="skip the short warm-up generation (JAX compiles during the timed run then)",
@@ -135,14 +146,17 @@ def _prompt_text(args: argparse.Namespace, constraint: Any) -> str:
     return constraint.default_prompt
 
 
-def _drafter(args: argparse.Namespace) -> Any:
+def _drafter(args: argparse.Namespace, *, forced: bool | None = None) -> Any:
     from examples.demo.drafters import NgramDrafter, SelfDrafter
+    from examples.demo.tokenizer import load_tokenizer
 
     if args.no_spec:
         return None
     masked = not args.no_draft_mask
     if args.draft == "ngram":
-        return NgramDrafter(args.nodes, masked=masked)
+        forced = not args.no_forced if forced is None else forced
+        encode = load_tokenizer().encode
+        return NgramDrafter(args.nodes, masked=masked, forced=forced, encode=encode)
     return SelfDrafter(
         args.nodes,
         layers=args.draft_layers,
@@ -166,6 +180,8 @@ def _mode(drafter: Any) -> str:
         return f"{drafter.name} drafter, blind"
     if getattr(drafter, "root_only", False):
         return f"{drafter.name} drafter, root-only mask"
+    if not getattr(drafter, "forced", True):
+        return f"{drafter.name} drafter, grammar-aware, no forced drafts"
     return f"{drafter.name} drafter, grammar-aware"
 
 
@@ -191,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
     drafter = _drafter(args)
     nodes = drafter.nodes if drafter is not None else 1
     modes = [None, drafter] if args.compare else [drafter]
+    if args.compare_forced:
+        if args.draft != "ngram" or drafter is None or args.compare:
+            raise UsageError("--compare-forced takes the n-gram drafter, without --compare")
+        modes = [_drafter(args, forced=False), _drafter(args, forced=True)]
+    compare = args.compare or args.compare_forced
     log = (lambda _msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
 
     def on_step(index: int, step: Any, tokens: list[int]) -> None:
@@ -219,10 +240,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.backend} {args.dtype}, "
             + (f"{_mode(drafter)}, {nodes} nodes" if drafter else "no speculation")
             + (" (and plain greedy, --compare)" if args.compare else "")
+            + (" (with and without forced drafts)" if args.compare_forced else "")
             + f", prompt {len(prompt)} tokens (load {load_s:.1f} s, warm-up {warmup_s:.1f} s)"
         )
         for mode in modes:
-            if args.compare:
+            if compare:
                 log(f"-- {_mode(mode)}")
             gen = generate(
                 model,
@@ -269,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for (g, t, v, d), m in zip(results, modes, strict=True)
         ]
-        if args.compare:
+        if compare:
             plain, spec = records
             out = {
                 "compare": True,
@@ -286,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(text)
-        if args.compare:
+        if compare:
             for line in compare_lines(
                 [(_mode(m), g) for m, (g, *_r) in zip(modes, results, strict=True)]
             ):

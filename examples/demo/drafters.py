@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from portable_spec import DraftSession, GrammarTree
+from portable_spec import DraftSession, GrammarTree, forced_drafts
 
 __all__ = [
     "Draft",
@@ -190,11 +190,13 @@ class NgramDrafter:
     lighter than its child, so the pick is a subtree), ties going to the shallower node and
     then to the earlier insertion. With no match the tree is the root alone.
 
-    Grammar-aware (``masked`` and a grammar given): the grammar's forced continuation is
-    grafted below the root with a weight above every vote, the n-grams of the context
-    followed by it vote below its end, and of the trie's heaviest ``candidates * nodes`` nodes
-    only those the grammar accepts are kept (a :class:`portable_spec.DraftSession` checks them
-    level by level, each node's grammar state forked from its parent's).
+    Grammar-aware (``masked`` and a grammar given): the grammar's forced continuation
+    (:func:`portable_spec.forced_drafts`, in the tokenizer's ``encode`` segmentation; off with
+    ``forced=False``) is grafted below the root with a weight above every vote, the n-grams of
+    the context followed by it vote below its end, and of the trie's heaviest
+    ``candidates * nodes`` nodes only those the grammar accepts are kept (a
+    :class:`portable_spec.DraftSession` checks them level by level, each node's grammar state
+    forked from its parent's).
     """
 
     name = "ngram"
@@ -208,9 +210,13 @@ class NgramDrafter:
         max_matches: int = 8,
         masked: bool = True,
         candidates: int = 4,
+        forced: bool = True,
+        encode: Any = None,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
+        self.forced = forced
+        self.encode = encode
         self.nodes = nodes
         self.max_n = max_n
         self.min_n = min_n
@@ -261,7 +267,13 @@ class NgramDrafter:
         )
         try:
             trie = _Trie(int(context[-1]))
-            forced = session.forced(max_tokens=self.nodes - 1)[0]
+            forced: list[int] = []
+            if self.forced and self.encode is not None:
+                forced = forced_drafts(
+                    [grammar.matcher], [[]], self.nodes - 1, tokenizer=self.encode
+                )[0]
+            elif self.forced:
+                forced = session.forced(max_tokens=self.nodes - 1)[0]
             end = 0
             if forced:
                 end = trie.insert(0, forced, float("inf"))[-1]

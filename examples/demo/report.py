@@ -28,15 +28,16 @@ def compare_lines(runs: list[tuple[str, Generation]]) -> list[str]:
     """``--compare``: one line per mode (tokens/s, tokens per step, drafted and valid nodes per
     step), the first mode being the baseline of the speed-up column."""
     base = runs[0][1].tokens_per_s
+    width = max(36, *(len(name) for name, _ in runs))
     lines = [
-        f"{'mode':36s} {'tokens':>6s} {'steps':>5s} {'tokens/s':>9s} {'tok/step':>8s} "
+        f"{'mode':{width}s} {'tokens':>6s} {'steps':>5s} {'tokens/s':>9s} {'tok/step':>8s} "
         f"{'drafted':>7s} {'valid':>6s} {'speed-up':>8s}"
     ]
     for name, gen in runs:
         steps = max(1, len(gen.steps))
         speedup = gen.tokens_per_s / base if base > 0 else float("nan")
         lines.append(
-            f"{name:36s} {len(gen.tokens):6d} {len(gen.steps):5d} {gen.tokens_per_s:9.2f} "
+            f"{name:{width}s} {len(gen.tokens):6d} {len(gen.steps):5d} {gen.tokens_per_s:9.2f} "
             f"{gen.mean_accepted:8.2f} {sum(gen.draft_nodes_per_step) / steps:7.2f} "
             f"{sum(gen.valid_nodes_per_step) / steps:6.2f} {speedup:7.2f}x"
         )

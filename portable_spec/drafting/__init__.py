@@ -34,8 +34,15 @@ what the grammar forces with :func:`forced_drafts` (:mod:`portable_spec.drafting
 the tokens the model's tokenizer gives the forced text.
 """
 
-from portable_spec.drafting.forced import forced_drafts
+from portable_spec.drafting.forced import forced_drafts, forced_text
 from portable_spec.drafting.session import DraftSession, forced_tokens
 from portable_spec.drafting.trees import graft_chain, links_from_parents
 
-__all__ = ["DraftSession", "forced_drafts", "forced_tokens", "graft_chain", "links_from_parents"]
+__all__ = [
+    "DraftSession",
+    "forced_drafts",
+    "forced_text",
+    "forced_tokens",
+    "graft_chain",
+    "links_from_parents",
+]

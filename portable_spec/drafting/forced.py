@@ -57,7 +57,7 @@ from portable_spec.grammars import (
 from portable_spec.pending import hold_matchers, release_matchers
 from portable_spec.tree import host_array
 
-__all__ = ["forced_drafts"]
+__all__ = ["forced_drafts", "forced_text"]
 
 _CURSORS = {
     XGRAMMAR: XGrammarCursor,
@@ -194,6 +194,35 @@ def forced_drafts(
         return out
     finally:
         release_matchers(token, held)
+
+
+def forced_text(matcher: Any) -> str:
+    """The text every continuation of ``matcher``'s state starts with, in whole characters
+    (xgrammar ``find_jump_forward_string``, llguidance ``compute_ff_bytes``, a protocol
+    matcher's optional ``find_jump_forward_string``); "" where nothing is forced, the grammar
+    ended, or the engine cannot say (outlines-core). Moves nothing; host work only. Raises
+    TypeError for an object that is not a matcher."""
+    kind = matcher_kind(matcher)
+    if kind < 0:
+        classify_grammars([matcher], 1, 32)  # names what is missing
+    if kind == XGRAMMAR:
+        if matcher.is_terminated():
+            return ""
+        try:
+            return str(matcher.find_jump_forward_string())
+        except UnicodeDecodeError as exc:  # xgrammar 0.2.8
+            return whole_characters(bytes(exc.object))
+    if kind == LLGUIDANCE:
+        if matcher.is_error() or matcher.is_stopped():
+            return ""
+        return whole_characters(bytes(matcher.compute_ff_bytes()))
+    if kind == GENERIC:
+        find = getattr(matcher, "find_jump_forward_string", None)
+        if not callable(find) or matcher.is_terminated():
+            return ""
+        text = find()
+        return whole_characters(bytes(text)) if isinstance(text, (bytes, bytearray)) else str(text)
+    return ""
 
 
 # -- arguments ---------------------------------------------------------------------------------

@@ -542,18 +542,49 @@ def test_the_release_table_holds_this_vllms_source():
     assert sources[bans] is None  # 0.33's
 
 
+def _text_source_hash(path: str, qualname: str) -> str:
+    """SHA-256 of a definition's source read from a file without importing it."""
+    import ast
+    import hashlib
+
+    with open(path) as f:
+        text = f.read()
+    node: ast.AST = ast.parse(text)
+    for part in qualname.split("."):
+        node = next(
+            n
+            for n in ast.iter_child_nodes(node)
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name == part
+        )
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    lines = text.splitlines(keepends=True)[first - 1 : node.end_lineno]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
 def test_the_release_table_holds_vllm_033s_source(monkeypatch):
     """The 0.33 row is vLLM 0.33's source (its structured-output modules as shipped, each
-    loaded from scripts/setup-vllm.sh's copy on top of 0.32's package)."""
+    loaded from scripts/setup-vllm.sh's copy on top of 0.32's package; its scheduler and
+    request modules, which do not import on 0.32, read as text: the definition's lines, from
+    its first decorator, as ``inspect.getsource`` gives them)."""
     folder = os.path.join(os.path.dirname(V033), "structured_output")
     if not os.path.isdir(folder):
         pytest.skip(f"vLLM 0.33's structured_output/ not at {folder}")
     from portable_spec.integrations.patching import source_hash
 
+    as_text = {
+        "vllm.v1.core.sched.scheduler": os.path.join(
+            os.path.dirname(V033), "core/sched/scheduler.py"
+        ),
+        "vllm.v1.request": os.path.join(os.path.dirname(V033), "request.py"),
+    }
     modules: dict = {}
     found = {}
     for target in internals.REVISIONS["0.33"].sources:
         module_name, qualname = target.split(":")
+        if module_name in as_text:
+            found[target] = _text_source_hash(as_text[module_name], qualname)
+            continue
         if module_name not in modules:
             tail = module_name.rsplit(".", 1)[-1]
             path = os.path.join(

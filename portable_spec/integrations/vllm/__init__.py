@@ -29,7 +29,10 @@ The package, as every engine package of the library:
   the unwritten rows of the strided layout), which every path writes by;
 * ``xgrammar.py``, ``guidance.py``: the common step of each backend in one compiled call;
 * ``checked.py``: any other step, through the library's general build;
-* ``bitmask.py``: the replacement method and its shadow mode.
+* ``bitmask.py``: the replacement method and its shadow mode;
+* ``drafts.py``: forced drafts, the scheduler's drafts of each structured request extended by
+  what its grammar forces (``PORTABLE_SPEC_FORCED_DRAFTS=1``; ``shadow``
+  counts only; off by default: not yet exact everywhere, docs/vllm-forced-drafts.md).
 
 A vLLM release whose source differs from every known one in anything the plugin replaces or
 reads is not patched: one warning, then vLLM's own fill.
@@ -42,16 +45,23 @@ from typing import Any
 from portable_spec.integrations.vllm import internals
 from portable_spec.integrations.vllm.state import (
     ENV_VAR,
+    FORCED_ENV_VAR,
     INTEGRATION,
     LOG_EVERY_ENV_VAR,
+    LOOKUP_ENV_VAR,
     THREADS_ENV_VAR,
+    WRITINGS_ENV_VAR,
+    read_switches,
 )
 
 __all__ = [
     "ENV_VAR",
+    "FORCED_ENV_VAR",
     "LAYOUTS",
     "LOG_EVERY_ENV_VAR",
+    "LOOKUP_ENV_VAR",
     "THREADS_ENV_VAR",
+    "WRITINGS_ENV_VAR",
     "install",
     "integration_stats",
     "is_installed",
@@ -65,8 +75,11 @@ LAYOUTS = internals.LAYOUTS
 
 
 def install(mode: str = "on") -> bool:
-    """Patch vLLM's ``StructuredOutputManager.grammar_bitmask`` in this process, in ``mode``
-    (``"on"`` or ``"shadow"``; switched at once when already installed).
+    """Patch vLLM's ``StructuredOutputManager.grammar_bitmask`` and wrap its scheduler's
+    drafts (forced drafts) in this process, in ``mode`` (``"on"`` or ``"shadow"``; switched at
+    once when already installed). ``PORTABLE_SPEC_FORCED_DRAFTS`` and its two companions are
+    read now (a value they do not take raises ValueError naming the variable, before anything
+    is patched).
 
     With vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) this process is the
     engine's; otherwise the entry point installs it in vLLM's EngineCore process. Returns
@@ -76,6 +89,8 @@ def install(mode: str = "on") -> bool:
     ``PORTABLE_SPEC_NUM_THREADS`` is set, the library's builds then run on the calling thread
     alone, as vLLM's own fill does.
     """
+    INTEGRATION.check_mode(mode)
+    read_switches()
     return INTEGRATION.install(mode)
 
 
@@ -97,7 +112,11 @@ def integration_stats() -> dict[str, Any]:
     ``rows_differing`` (shadow mode), ``median_us`` and ``samples``: ``{build: {batch: median
     µs or count}}`` for ``build`` in ``"portable_spec"`` and ``"vllm"`` (vLLM's own fill:
     shadow mode only), ``batch`` being the number of structured requests in the call (the last
-    4096 calls per batch size). Never blocks on the engine.
+    4096 calls per batch size). Forced drafts: ``forced_steps`` (steps that extended some
+    request's drafts), ``forced_drafted`` (forced tokens scheduled beyond vLLM's drafts),
+    ``forced_accepted`` (of those, accepted by the model), ``forced_would_draft`` (shadow
+    mode: counted, not scheduled), ``forced_refused_steps``, and the extension's per-step time
+    under ``median_us["forced_drafts"]`` (by requests extended). Never blocks on the engine.
     """
     return INTEGRATION.integration_stats()
 

