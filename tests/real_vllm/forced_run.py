@@ -14,14 +14,12 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("PORTABLE_SPEC_VLLM_LOG_EVERY", "0")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from ngram_engine import ngram_llm, set_env  # noqa: E402
+
+set_env()
 
 from forced_cases import CASES, K  # noqa: E402
 
@@ -42,31 +40,14 @@ GROUPS = [
 
 
 def main(out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from portable_spec.integrations import vllm as plugin
     from portable_spec.integrations.vllm import drafts
 
-    model = os.environ.get(
-        "PORTABLE_SPEC_VLLM_MODEL", os.path.join(HERE, "..", "..", ".vllm-model")
-    )
-    llm = LLM(
-        model=os.path.abspath(model),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=len(CASES),
-        enable_prefix_caching=False,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": K,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 1,
-        },
-        structured_outputs_config={"backend": "xgrammar"},
-        seed=0,
-    )
+    llm = ngram_llm(K, len(CASES), "xgrammar")
     tokenizer = llm.get_tokenizer()
     period = tokenizer.convert_tokens_to_ids(".")
     prompts = {tuple(tokenizer.encode(c["prompt"])): i for i, c in enumerate(CASES)}

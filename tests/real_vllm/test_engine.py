@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from ngram_engine import run_report  # noqa: E402
 from prompts import DATE_REGEX, prompts_for  # noqa: E402
 
 BATCHES = [1, 16]
@@ -32,19 +33,7 @@ def run(request, tmp_path_factory):
     backend = request.param
     out = tmp_path_factory.mktemp(backend) / "report.json"
     env = dict(os.environ, PORTABLE_SPEC_VLLM="off")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "engine_run.py"), backend, str(out)]
-        + [str(b) for b in BATCHES],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"engine run failed ({backend}):\n{proc.stderr[-4000:]}")
-    with open(out) as f:
-        report = json.load(f)
-    report["log"] = proc.stdout + proc.stderr
-    return report
+    return run_report("engine_run.py", [backend, str(out)] + [str(b) for b in BATCHES], out, env)
 
 
 def test_plugin_outputs_are_vllms_own(run):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from forced_cases import CASES, GREEDY, REASONING  # noqa: E402
+from ngram_engine import run_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +28,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("forced") / "report.json"
     env = dict(os.environ, PORTABLE_SPEC_VLLM="off")
     env.pop("PORTABLE_SPEC_FORCED_DRAFTS", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "forced_run.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"engine run failed:\n{proc.stderr[-4000:]}")
-    with open(out) as f:
-        report = json.load(f)
-    report["log"] = proc.stdout + proc.stderr
-    return report
+    return run_report("forced_run.py", [str(out)], out, env)
 
 
 def test_greedy_outputs_are_vllms_own(run):
