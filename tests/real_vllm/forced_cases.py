@@ -57,9 +57,7 @@ CASES: list[dict] = [
     },
 ]
 
-#: cases still reasoning at their start: none since the engine test runs without a reasoning
-#: parser (forced drafts stay off under one: internals.forced_drafts_rule); the two prompts
-#: without a period are plain requests there
-REASONING: list[int] = []
+#: cases still reasoning at their start (no period in the prompt)
+REASONING = [i for i, c in enumerate(CASES) if "." not in c["prompt"]]
 #: greedy cases (outputs compared token for token)
 GREEDY = [i for i, c in enumerate(CASES) if not c.get("temperature")]

@@ -1,7 +1,7 @@
 """Run real vLLM (in-process engine) with forced drafts off, on and in shadow mode.
 
 Usage: ``python tests/real_vllm/forced_run.py OUT.json``. One engine start (xgrammar, n-gram
-speculation K=4, no reasoning parser: forced drafts stay vLLM's under one); each mode is one
+speculation K=4, ``period_reasoner.py``'s reasoning parser); each mode is one
 ``generate`` call per kind of constraint, the sampled requests in one of their own. Writes
 per mode the token ids, texts and finish reasons of every output, the forward steps, the
 plugin's counters, and every extension the plugin made (request, whether the committed output or
@@ -47,7 +47,7 @@ def main(out_path: str) -> None:
     from portable_spec.integrations import vllm as plugin
     from portable_spec.integrations.vllm import drafts
 
-    llm = ngram_llm(K, len(CASES), "xgrammar")
+    llm = ngram_llm(K, len(CASES), "xgrammar", reasoning=True)
     tokenizer = llm.get_tokenizer()
     period = tokenizer.convert_tokens_to_ids(".")
     prompts = {tuple(tokenizer.encode(c["prompt"])): i for i, c in enumerate(CASES)}

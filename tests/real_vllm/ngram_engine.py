@@ -28,10 +28,11 @@ def set_env() -> None:
         os.environ.setdefault(name, value)
 
 
-def ngram_llm(k: int, max_num_seqs: int, backend: str) -> Any:
+def ngram_llm(k: int, max_num_seqs: int, backend: str, *, reasoning: bool = False) -> Any:
     """vLLM's ``LLM`` over the test model (``PORTABLE_SPEC_VLLM_MODEL`` or ``.vllm-model``):
     float32, greedy-repeatable (seed 0, no prefix caching), n-gram speculation of ``k`` tokens,
-    structured outputs by ``backend``."""
+    structured outputs by ``backend``; ``reasoning``: with ``period_reasoner.py``'s parser
+    (``enable_in_reasoning`` off: a prompt without a period reasons until the model writes one)."""
     from vllm import LLM
 
     model = os.environ.get(
@@ -49,9 +50,18 @@ def ngram_llm(k: int, max_num_seqs: int, backend: str) -> Any:
             "prompt_lookup_max": 4,
             "prompt_lookup_min": 1,
         },
-        structured_outputs_config={"backend": backend},
+        structured_outputs_config={"backend": backend, **_reasoner(reasoning)},
         seed=0,
     )
+
+
+def _reasoner(on: bool) -> dict[str, str]:
+    if not on:
+        return {}
+    return {
+        "reasoning_parser": "period_think",
+        "reasoning_parser_plugin": os.path.join(HERE, "period_reasoner.py"),
+    }
 
 
 def run_report(script: str, args: list[str], out: Any, env: dict[str, str]) -> dict:

@@ -1,5 +1,5 @@
 """Forced drafts end to end through real vLLM: one engine (xgrammar, n-gram speculation
-K=4, no reasoning parser), forced drafts off, on and in shadow mode over the same requests
+K=4, a reasoning parser), forced drafts off, on and in shadow mode over the same requests
 (``forced_cases.py``), one ``generate`` call per kind of constraint (the sampled requests in
 one of their own: ``forced_run.GROUPS`` says why). Greedy outputs token-identical to vLLM's own
 and valid, in fewer forward steps; the forced tokens drafted and accepted; sampled requests get
@@ -58,12 +58,18 @@ def test_shadow_mode_counts_and_changes_nothing(run):
     assert shadow["stats"]["forced_drafted"] == 0 and shadow["extensions"] == []
 
 
-def test_extensions_start_with_vllms_drafts(run):
+def test_extensions_start_with_vllms_drafts_and_wait_for_the_reasoning_end(run):
+    """Every extension keeps vLLM's drafts first; a request that reasons first gets forced
+    tokens only once its output or vLLM's drafts hold the reasoning's end (the period), and
+    the reasoning requests do get them after it."""
     events = run["runs"]["on"]["extensions"]
     assert events and all(case >= 0 for case, *_ in events)
-    for _case, _ended, own, drafts in events:
+    for case, ended, own, drafts in events:
         assert drafts[: len(own)] == own  # vLLM's drafts, extended
         assert len(drafts) <= 4
+        if case in REASONING:
+            assert ended, f"case {case}: drafts extended while still reasoning"
+    assert REASONING and {case for case, *_ in events} & set(REASONING)
 
 
 def _content(case, text):

