@@ -22,14 +22,17 @@ Workloads: ``invoice`` and ``tool_call`` (``portable_spec.testing.SCHEMA_WORKLOA
 schemas and prompts of every engine's drafting tables), ``free`` (no constraint) and
 ``regex`` (an ISO date list: nothing forced but the separators). Counted per call: forward
 steps (scheduler steps that ran the model), output tokens, drafts scheduled and accepted
-(vLLM's spec-decode counters), forced tokens drafted and accepted (the plugin's), wall time.
-Every mode's outputs are compared token for token with ``off`` and checked against their
-constraint. Prints medians over rounds and the ratios against ``off``.
+(vLLM's spec-decode counters), forced tokens drafted and accepted (the plugin's), wall time
+and the process's CPU time. Every mode's outputs are compared token for token with ``off`` and
+checked against their constraint. Prints medians over rounds and the ratios against ``off``,
+and per workload the copy floor (:func:`floor_steps`): the fewest forward steps any drafter
+copying from the request's own tokens, with the grammar's forced tokens, could reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -165,9 +168,10 @@ def run_k(k: int, args: argparse.Namespace, rng: random.Random) -> dict:
             plugin.reset_stats()
             stats0 = _spec_counts(llm)
             counter.steps = counter.tokens = 0
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
             wall = time.perf_counter() - began
+            cpu = time.process_time() - cpu_began
             stats1 = _spec_counts(llm)
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
             texts = [o.outputs[0].text for o in outputs]
@@ -177,6 +181,7 @@ def run_k(k: int, args: argparse.Namespace, rng: random.Random) -> dict:
                 "scheduled": counter.tokens,
                 "output_tokens": sum(map(len, tokens)),
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "drafts": stats1[0] - stats0[0],
                 "accepted": stats1[1] - stats0[1],
                 "forced_drafted": snap.get("forced_drafted", 0),
@@ -187,6 +192,9 @@ def run_k(k: int, args: argparse.Namespace, rng: random.Random) -> dict:
             key = (name, mode)
             if round_ == 0 and mode == "off":
                 reference[name] = tokens
+                record["floor_steps"] = floor_steps(
+                    llm, [o.prompt_token_ids for o in outputs], tokens, constraint, k
+                )
             results.setdefault(key, []).append((record, tokens))
             print(f"K={k} round {round_} {name:9s} {mode:6s} {record}", file=sys.stderr)
     plugin.uninstall()
@@ -196,11 +204,68 @@ def run_k(k: int, args: argparse.Namespace, rng: random.Random) -> dict:
         recs = [r for r, _ in runs]
         table[f"{name}/{mode}"] = {
             "identical_to_off": same,
-            **{f: statistics.median(r[f] for r in recs) for f in recs[0]},
+            **{f: statistics.median(r[f] for r in recs if f in r) for f in recs[0]},
             "wall_s_all": [r["wall_s"] for r in recs],
         }
     del llm
     return table
+
+
+def floor_steps(
+    llm: Any, prompts: list[list[int]], outputs: list[list[int]], constraint: dict | None, k: int
+) -> int:
+    """The fewest forward steps in which any drafter that copies spans of a request's own
+    prompt and output, with its grammar's forced tokens, could have written these outputs at K
+    ``k`` (the slowest request's count, the prefill step included).
+
+    A copying drafter proposes runs of tokens that followed a matched n-gram somewhere in the
+    request's tokens: a token it drafts right after token ``a`` is one that followed ``a``
+    somewhere before. So a token that is neither forced by the grammar at its position (the
+    first of :func:`portable_spec.forced_drafts` there) nor ever seen after the token before it
+    cannot be drafted by any such drafter: the model writes it, as the bonus token that ends a
+    step. A step commits at most ``k + 1`` tokens. Counted this way the bound is generous (it
+    assumes the drafter always picks the right copy among all candidates)."""
+    import xgrammar as xgr
+
+    import portable_spec as ps
+
+    tokenizer = llm.get_tokenizer()
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    compiled = None
+    if constraint is not None:
+        compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+        )
+        if "regex" in constraint:
+            compiled = compiler.compile_regex(constraint["regex"])
+        else:  # as vLLM compiles it by default (any whitespace)
+            compiled = compiler.compile_json_schema(
+                json.dumps(constraint["json"]), any_whitespace=True
+            )
+    worst = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        matcher = xgr.GrammarMatcher(compiled) if compiled is not None else None
+        seen: set[tuple[int, int]] = set(itertools.pairwise(prompt))
+        steps, run, last = 1, 0, prompt[-1]  # the prefill step writes output[0]
+        for p, token in enumerate(output):
+            if p:
+                forced = []
+                if matcher is not None:
+                    forced = ps.forced_drafts(
+                        [matcher], [[]], [1], tokenizer=tokenizer, vocab_size=vocab
+                    )[0]
+                if forced[:1] == [token] or (last, token) in seen:
+                    run += 1
+                else:  # the model's own token: it ends a step
+                    steps += -(-(run + 1) // (k + 1))
+                    run = 0
+            if matcher is not None and not matcher.is_terminated():
+                matcher.accept_token(token)
+            seen.add((last, token))
+            last = token
+        steps += -(-run // (k + 1))
+        worst = max(worst, steps)
+    return worst
 
 
 def _spec_counts(llm: Any) -> tuple[int, int]:
@@ -269,16 +334,20 @@ def main() -> None:
 def print_tables(
     tables: dict, names: list[str], modes: list[str], requests: int | None = None
 ) -> None:
-    """One Markdown row per (K, workload, mode): forward steps (and ``off``'s / these), output
+    """One Markdown row per (K, workload, mode): forward steps (and ``off``'s / these), the
+    fewest steps any copying drafter with the forced tokens could reach (:func:`floor_steps`,
+    from ``off``'s outputs), output
     tokens per second of wall time, output tokens per forward step, vLLM's accepted drafts per
     forward step and per drafted token, the plugin's forced tokens drafted and accepted, wall
-    time (and ``off``'s / this), outputs identical to ``off``, outputs valid."""
+    time (and ``off``'s / this), the process's CPU time (and ``off``'s / this: steadier than wall
+    time where other processes share the cores), outputs identical to ``off``, outputs valid."""
     print(
-        "| K | workload | mode | forward steps | steps vs off | output tok/s | tokens/step "
+        "| K | workload | mode | forward steps | steps vs off | copy floor | output tok/s "
+        "| tokens/step "
         "| accepted/step | accepted/drafted | forced drafted | forced accepted | wall s "
-        "| wall vs off | identical | valid |"
+        "| wall vs off | CPU s | CPU vs off | identical | valid |"
     )
-    print("|" + "---|" * 15)
+    print("|" + "---|" * 18)
     for k, table in tables.items():
         for name in names:
             off = table[f"{name}/off"]
@@ -286,14 +355,25 @@ def print_tables(
                 r = table[f"{name}/{mode}"]
                 acc = r["accepted"] / r["drafts"] if r["drafts"] else 0.0
                 of = f"/{requests}" if requests else ""
+                floor = off.get("floor_steps")
+                floor_cell = f"{floor:.0f}" if floor else "-"
                 print(
                     f"| {k} | {name} | {mode} | {r['steps']:.0f} | "
-                    f"{off['steps'] / r['steps']:.2f}x | {r['output_tokens'] / r['wall_s']:.1f} | "
+                    f"{off['steps'] / r['steps']:.2f}x | {floor_cell} | "
+                    f"{r['output_tokens'] / r['wall_s']:.1f} | "
                     f"{r['output_tokens'] / r['steps']:.2f} | {r['accepted'] / r['steps']:.2f} | "
                     f"{acc:.2f} | {r['forced_drafted']:.0f} | {r['forced_accepted']:.0f} | "
-                    f"{r['wall_s']:.1f} | {off['wall_s'] / r['wall_s']:.2f}x | "
+                    f"{r['wall_s']:.1f} | {off['wall_s'] / r['wall_s']:.2f}x | {_cpu(r, off)} | "
                     f"{'yes' if r['identical_to_off'] else 'NO'} | {r['valid']:.0f}{of} |"
                 )
+
+
+def _cpu(r: dict, off: dict) -> str:
+    """The call's CPU time (every thread of the process) and ``off``'s / it; "- | -" for runs
+    recorded without it."""
+    if not r.get("cpu_s") or not off.get("cpu_s"):
+        return "- | -"
+    return f"{r['cpu_s']:.1f} | {off['cpu_s'] / r['cpu_s']:.2f}x"
 
 
 def _version() -> str:
