@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native
 from portable_spec.builder.reasoning import Reasoning, check_reasoning
+from portable_spec.drafting.batched import MAX_TOKENS, draft_xgrammar_batch
 from portable_spec.drafting.segment import Segmenter, segmenter_for
 from portable_spec.engines.cursor import Cursor, single_token, whole_characters
 from portable_spec.engines.generic import ProtocolCursor, generic_info
@@ -70,6 +72,9 @@ _NO_VOCAB = 1 << 62
 # xgrammar requests with a tokenizer take _draft_xgrammar (the common case, without the cursor's
 # calls); False: every request takes the cursors (the tests compare both)
 _SHORT_PATH = True
+# xgrammar requests on the short path walk in batched compiled phases when the compiled helper
+# can call xgrammar (drafting.batched); False: each takes _draft_xgrammar (the tests compare)
+_BATCHED = True
 # Drafted tokens this many tokens before a forced text's end are taken as they are: what
 # follows the text only re-segments its last pre-tokenizer piece.
 _FAR_FROM_END = 8  # unconstrained requests without vocab_size: only negative ids end drafts
@@ -160,12 +165,14 @@ def forced_drafts(
     token, held = hold_matchers(matchers)  # refused here if another build walks one
     rows_of: dict[int, np.ndarray] = {}  # scratch mask rows by width (the short path's)
     short = segmenter is not None and _SHORT_PATH
+    batched = short and _BATCHED and native.forced_xgrammar()
     free_vocab = vocab_size or _NO_VOCAB
     try:
-        out = []
+        out: list[list[int]] = [[] for _ in range(batch)]
+        later: list[tuple[int, list[int], list[int], bool]] = []  # the batched requests
         for b, (kind, info, row, limit) in enumerate(zip(kinds, infos, rows, limits, strict=True)):
             if kind == NONE or limit == 0:
-                out.append(_free(row, limit, free_vocab))
+                out[b] = _free(row, limit, free_vocab)
                 continue
             assert info is not None
             start: list[int] = []
@@ -173,27 +180,94 @@ def forced_drafts(
             if rule is not None and rule.active[b]:
                 start, rest = _reasoning_prefix(row, limit, info.vocab_size, rule)
                 if rest is None:  # still reasoning after the drafts: nothing forced
-                    out.append(start)
+                    out[b] = start
                     continue
                 row, content_end = rest, bool(rest) and rest[0] in rule.content_ends
+            if batched and kind == XGRAMMAR and info.handle and limit <= MAX_TOKENS:
+                later.append((b, row, start, content_end))
+                continue
             try:
-                if short and kind == XGRAMMAR:
-                    out.append(
-                        _draft_xgrammar(
-                            matchers[b], info, row, limit, start, segmenter, content_end, rows_of
-                        )
-                    )
-                    continue
-                cursor = _CURSORS[kind](matchers[b], info)
-                try:
-                    out.append(_draft(cursor, row, limit, start, segmenter, content_end))
-                finally:
-                    cursor.close()
+                out[b] = _draft_one(
+                    matchers[b],
+                    kind,
+                    info,
+                    row,
+                    limit,
+                    start,
+                    segmenter,
+                    content_end,
+                    short,
+                    rows_of,
+                )
             except BaseException as exc:
                 raise MatcherError(b, exc) from exc
+        if later:
+            assert segmenter is not None
+            _draft_later(matchers, infos, limits, later, segmenter, out, rows_of)
         return out
     finally:
         release_matchers(token, held)
+
+
+def _draft_one(
+    matcher: Any,
+    kind: int,
+    info: MatcherInfo,
+    row: list[int],
+    limit: int,
+    start: list[int],
+    segmenter: Segmenter | None,
+    content_end: bool,
+    short: bool,
+    rows_of: dict[int, np.ndarray],
+) -> list[int]:
+    """One request's drafts on the per-request paths (its index is named by the caller)."""
+    if short and kind == XGRAMMAR:
+        assert segmenter is not None
+        return _draft_xgrammar(matcher, info, row, limit, start, segmenter, content_end, rows_of)
+    cursor = _CURSORS[kind](matcher, info)
+    try:
+        return _draft(cursor, row, limit, start, segmenter, content_end)
+    finally:
+        cursor.close()
+
+
+def _draft_later(
+    matchers: Sequence[Any],
+    infos: list[MatcherInfo | None],
+    limits: list[int],
+    later: list[tuple[int, list[int], list[int], bool]],
+    segmenter: Segmenter,
+    out: list[list[int]],
+    rows_of: dict[int, np.ndarray],
+) -> None:
+    """The xgrammar requests set aside for the compiled phases (``batched``), into ``out``;
+    the per-request path where the helper declines."""
+    index = [b for b, _, _, _ in later]
+    facts = [infos[b] for b in index]
+    drafted = draft_xgrammar_batch(
+        [matchers[b] for b in index],
+        facts,  # type: ignore[arg-type]
+        index,
+        [row for _, row, _, _ in later],
+        [limits[b] for b in index],
+        [start for _, _, start, _ in later],
+        [content_end for _, _, _, content_end in later],
+        segmenter,
+    )
+    if drafted is not None:
+        for b, tokens in zip(index, drafted, strict=True):
+            out[b] = tokens
+        return
+    for b, row, start, content_end in later:
+        info = infos[b]
+        assert info is not None
+        try:
+            out[b] = _draft_xgrammar(
+                matchers[b], info, row, limits[b], start, segmenter, content_end, rows_of
+            )
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
 
 
 def forced_text(matcher: Any) -> str:
