@@ -42,9 +42,12 @@ def lltok():
 
 
 @pytest.fixture(autouse=True)
-def route(builder_mode):
-    """Every test twice: xgrammar matchers walked in the compiled phases, and without the
-    compiled helper (the per-request Python walk)."""
+def route(builder_mode, monkeypatch):
+    """Every test twice: xgrammar matchers walked in the compiled phases (from one request
+    on), and without the compiled helper (the per-request Python walk)."""
+    import portable_spec.drafting.forced as forced
+
+    monkeypatch.setattr(forced, "_BATCH_FROM", 1)
     return builder_mode
 
 

@@ -13,7 +13,7 @@ back before this returns, also when something raises.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,19 +69,18 @@ def draft_xgrammar_batch(
     cap = max(1, max(limits, default=0))
     words = max((info.words for info in infos), default=1)
     state = np.zeros((count, 8), dtype=np.int64)
-    out = np.zeros((count, cap), dtype=np.int64)
-    masks = np.zeros((count, words), dtype=np.int32)
+    out = np.empty((count, cap), dtype=np.int64)  # read up to each request's count only
+    masks = np.empty((count, words), dtype=np.int32)  # read after a fill only
     state[:, _LIMIT] = limits
     for c, start in enumerate(starts):
         if start:
             out[c, : len(start)] = start
             state[c, _COUNT] = len(start)
-    phase = native.forced_start(list(matchers), rows, content_ends, state, out, masks)
-    if phase is None:
-        return None
+    matchers = list(matchers)
     texts: list[str] = [""] * count
     segments: list[Segment | None] = [None] * count
     try:
+        phase = _phase(native.forced_start, matchers, (rows, content_ends), state, out, masks)
         while True:
             asks, failed, message = phase
             if failed >= 0:
@@ -98,9 +97,7 @@ def draft_xgrammar_batch(
                     raise MatcherError(indices[c], exc) from exc
             if replies is None:
                 break
-            phase = native.forced_step(list(matchers), replies, state, out, masks)
-            if phase is None:
-                raise _Declined
+            phase = _phase(native.forced_step, matchers, (replies,), state, out, masks)
         counts = state[:, _COUNT].tolist()
         drafted = out.tolist()
         return [row[:n] for row, n in zip(drafted, counts, strict=True)]
@@ -111,6 +108,22 @@ def draft_xgrammar_batch(
             held = int(state[c, _HELD])
             state[c, _HELD] = 0
             matchers[c].rollback(held)
+
+
+def _phase(
+    call: Callable[..., Any],
+    matchers: list[Any],
+    lists: tuple[list[Any], ...],
+    state: np.ndarray,
+    out: np.ndarray,
+    masks: np.ndarray,
+) -> tuple[list[Any], int, str | None]:
+    """One phase over every request, in one call (the GIL released inside); raises
+    :class:`_Declined` when the helper declines (nothing moved by this call)."""
+    done = call(matchers, *lists, state, out, masks)
+    if done is None:
+        raise _Declined
+    return done  # type: ignore[no-any-return]
 
 
 def _reply(

@@ -75,6 +75,10 @@ _SHORT_PATH = True
 # xgrammar requests on the short path walk in batched compiled phases when the compiled helper
 # can call xgrammar (drafting.batched); False: each takes _draft_xgrammar (the tests compare)
 _BATCHED = True
+_BATCH_FROM = 4  # requests; fewer take _draft_xgrammar (the tests set it to 1)
+#: the requests set aside for the compiled phases: indices, drafts, reasoning starts, whether
+#: the first draft ends a reasoning
+_Later = tuple[list[int], list[list[int]], list[list[int]], list[bool]]
 # Drafted tokens this many tokens before a forced text's end are taken as they are: what
 # follows the text only re-segments its last pre-tokenizer piece.
 _FAR_FROM_END = 8  # unconstrained requests without vocab_size: only negative ids end drafts
@@ -169,7 +173,7 @@ def forced_drafts(
     free_vocab = vocab_size or _NO_VOCAB
     try:
         out: list[list[int]] = [[] for _ in range(batch)]
-        later: list[tuple[int, list[int], list[int], bool]] = []  # the batched requests
+        later: _Later = ([], [], [], [])  # the requests set aside for the compiled phases
         for b, (kind, info, row, limit) in enumerate(zip(kinds, infos, rows, limits, strict=True)):
             if kind == NONE or limit == 0:
                 out[b] = _free(row, limit, free_vocab)
@@ -184,7 +188,10 @@ def forced_drafts(
                     continue
                 row, content_end = rest, bool(rest) and rest[0] in rule.content_ends
             if batched and kind == XGRAMMAR and info.handle and limit <= MAX_TOKENS:
-                later.append((b, row, start, content_end))
+                later[0].append(b)
+                later[1].append(row)
+                later[2].append(start)
+                later[3].append(content_end)
                 continue
             try:
                 out[b] = _draft_one(
@@ -201,7 +208,7 @@ def forced_drafts(
                 )
             except BaseException as exc:
                 raise MatcherError(b, exc) from exc
-        if later:
+        if later[0]:
             assert segmenter is not None
             _draft_later(matchers, infos, limits, later, segmenter, out, rows_of)
         return out
@@ -236,30 +243,32 @@ def _draft_later(
     matchers: Sequence[Any],
     infos: list[MatcherInfo | None],
     limits: list[int],
-    later: list[tuple[int, list[int], list[int], bool]],
+    later: _Later,
     segmenter: Segmenter,
     out: list[list[int]],
     rows_of: dict[int, np.ndarray],
 ) -> None:
-    """The xgrammar requests set aside for the compiled phases (``batched``), into ``out``;
-    the per-request path where the helper declines."""
-    index = [b for b, _, _, _ in later]
-    facts = [infos[b] for b in index]
-    drafted = draft_xgrammar_batch(
-        [matchers[b] for b in index],
-        facts,  # type: ignore[arg-type]
-        index,
-        [row for _, row, _, _ in later],
-        [limits[b] for b in index],
-        [start for _, _, start, _ in later],
-        [content_end for _, _, _, content_end in later],
-        segmenter,
-    )
+    """The xgrammar requests set aside for the compiled phases, into ``out``: walked in the
+    phases from :data:`_BATCH_FROM` requests on (below, the phases' fixed cost is more than
+    the per-request walk's), on the per-request path otherwise or where the helper declines."""
+    index, rows, starts, content_ends = later
+    drafted = None
+    if len(index) >= _BATCH_FROM:
+        drafted = draft_xgrammar_batch(
+            [matchers[b] for b in index],
+            [infos[b] for b in index],  # type: ignore[misc]
+            index,
+            rows,
+            [limits[b] for b in index],
+            starts,
+            content_ends,
+            segmenter,
+        )
     if drafted is not None:
         for b, tokens in zip(index, drafted, strict=True):
             out[b] = tokens
         return
-    for b, row, start, content_end in later:
+    for b, row, start, content_end in zip(index, rows, starts, content_ends, strict=True):
         info = infos[b]
         assert info is not None
         try:
