@@ -570,9 +570,12 @@ def forced_step(
     matchers: list[Any], replies: list[Any], state: np.ndarray, out: np.ndarray, rows: np.ndarray
 ) -> tuple[list[Any], int, str | None] | None:
     """The next phase after :func:`forced_start`: ``replies`` one per matcher, None where it
-    asked nothing, else ``(tokens, keep)`` (a tuple): to a text, its tokens and how many are
+    asked nothing, else a tuple ``(tokens, keep)``: to a text, its tokens and how many are
     stable whatever follows (-1: unknown without the mask, -2: the text had no whole
-    character); to True, the text's tokens and how many of them are stable. Returns what
+    character), with -1 optionally ``(tokens, -1, words, known)``: the counts known for some
+    values of the mask words ``words`` (``known`` flat: per entry those values, then its
+    count), looked up after the fill instead of asking; to True, the text's tokens and how
+    many of them are stable. Returns what
     :func:`forced_start` returns; ``None`` when the helper was switched meanwhile (nothing
     moved by this call)."""
     helper = native

@@ -8,9 +8,12 @@
    one. A phase runs every listed request until it asks the caller something or ends:
 
      asks[c] is a str (or bytes that are not whole UTF-8 characters): the forced text, whose
-             tokens the caller gives in the next step as (tokens, keep), keep the count of
-             tokens stable whatever follows (known without the mask), -1 to have the mask
-             filled and be asked for it, -2 when the text holds no whole character;
+             tokens the caller gives in the next step as (tokens, keep[, words, known]), keep
+             the count of tokens stable whatever follows (known without the mask), -1 to have
+             the mask filled and be asked for it, -2 when the text holds no whole character;
+             with -1, `words` (mask word indices) and `known` (flat: per entry the values of
+             those words, then the stable count) answer without asking where the mask's words
+             match an entry;
      asks[c] is True: the mask after the whole text is in rows[c]; the caller gives back
              (tokens, keep), keep how many of the text's tokens are stable;
      asks[c] is None: the request is done, its matcher rolled back, out[c, :count] its drafts.
@@ -116,6 +119,9 @@ typedef struct {
     int64_t *tokens;      /* the drafts (start) or the text's tokens (step), PyMem */
     Py_ssize_t ntokens;
     int64_t keep;         /* start: the first draft ends a reasoning; step: see above */
+    int64_t *known;       /* a text's stable counts known by mask words (PyMem): the words,
+                             then per entry their values and its count */
+    Py_ssize_t nwords, nknown;
     const int64_t *stops; /* into the phase's copies */
     Py_ssize_t nstops;
     int64_t vocab, words;
@@ -236,6 +242,20 @@ static int fx_stable(Forced *e, Py_ssize_t cap, int64_t keep, char **error) {
     return fx_advance(e, cap, 0, error);
 }
 
+/* The stable count the caller already knows for the mask now in the row (the values of the
+   mask words it depends on), else -1. */
+static int64_t fx_known(const Forced *e) {
+    const int64_t *words = e->known, *entry = e->known + e->nwords;
+    for (Py_ssize_t w = 0; w < e->nwords; w++)
+        if (words[w] < 0 || words[w] >= e->words) return -1;
+    for (Py_ssize_t k = 0; k < e->nknown; k++, entry += e->nwords + 1) {
+        Py_ssize_t w = 0;
+        while (w < e->nwords && (int64_t)e->row[words[w]] == entry[w]) w++;
+        if (w == e->nwords) return entry[e->nwords];
+    }
+    return -1;
+}
+
 /* The forced text's tokens, given back by the caller. */
 static int fx_text(Forced *e, Py_ssize_t cap, char **error) {
     if (e->keep == FS_NO_TEXT) return fx_advance(e, cap, 0, error);
@@ -259,6 +279,8 @@ static int fx_text(Forced *e, Py_ssize_t cap, char **error) {
     }
     if (e->keep == FS_ASK_MASK) {
         if (fx_fill(e, error) != 0) return -1;
+        int64_t known = fx_known(e);
+        if (known >= 0) return fx_stable(e, cap, known, error);
         e->state[FS_STATUS] = FS_STABLE;
         return 0;
     }
@@ -295,6 +317,7 @@ static void phase_clear(Phase *p) {
         for (Py_ssize_t c = 0; c < p->count; c++) {
             Py_XDECREF(p->entries[c].matcher);
             PyMem_Free(p->entries[c].tokens);
+            PyMem_Free(p->entries[c].known);
             free(p->entries[c].text);
         }
     }
@@ -443,6 +466,31 @@ static PyObject *phase_result(Phase *p) {
     return Py_BuildValue("(NnN)", asks, p->failed, message);
 }
 
+/* A text reply's known stable counts: `words` (mask word indices) and `known` (per entry the
+   values of those words, then its count), ints, copied. 0, or -1 with an error set. */
+static int fx_known_copy(Forced *e, PyObject *words, PyObject *known) {
+    Py_ssize_t nw, nk;
+    PyObject *const *w = sequence_items(words, &nw);
+    PyObject *const *k = sequence_items(known, &nk);
+    if (nw < 0 || nk < 0 || nk % (nw + 1) != 0) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_forced_step: known stable counts malformed");
+        return -1;
+    }
+    e->known = PyMem_Malloc(sizeof(int64_t) * (size_t)(nw + nk + 1));
+    if (e->known == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nw + nk; i++) {
+        if (exact_int(i < nw ? w[i] : k[i - nw], &e->known[i]) != 0) {
+            PyErr_SetString(PyExc_ValueError, "xgrammar_forced_step: a known value is not an int");
+            return -1;
+        }
+    }
+    e->nwords = nw, e->nknown = nk / (nw + 1);
+    return 0;
+}
+
 static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *matchers, *drafts, *content_ends, *objs[3];
@@ -512,15 +560,20 @@ static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
             continue;
         }
         int64_t keep;
-        if (status == FS_DONE || !PyTuple_CheckExact(items[c]) || PyTuple_GET_SIZE(items[c]) != 2 ||
+        Py_ssize_t size = PyTuple_CheckExact(items[c]) ? PyTuple_GET_SIZE(items[c]) : 0;
+        if (status == FS_DONE || (size != 2 && size != 4) ||
             exact_int(PyTuple_GET_ITEM(items[c], 1), &keep) != 0 ||
             keep < (status == FS_TEXT ? FS_NO_TEXT : 0)) {
             PyErr_Clear();
             PyErr_SetString(PyExc_ValueError,
-                            "xgrammar_forced_step: a reply is (tokens, keep) to an ask");
+                            "xgrammar_forced_step: a reply is (tokens, keep[, words, known]) to "
+                            "an ask");
             goto done;
         }
         if (fx_tokens(PyTuple_GET_ITEM(items[c], 0), e, "xgrammar_forced_step") != 0) goto done;
+        if (size == 4 && fx_known_copy(e, PyTuple_GET_ITEM(items[c], 2),
+                                       PyTuple_GET_ITEM(items[c], 3)) != 0)
+            goto done;
         e->keep = keep;
         e->run = 2;
     }

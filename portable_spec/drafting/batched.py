@@ -134,7 +134,7 @@ def _reply(
     segmenter: Segmenter,
     masks: np.ndarray,
     info: MatcherInfo,
-) -> tuple[tuple[int, ...], int]:
+) -> tuple[Any, ...]:
     """The answer to request ``c``'s ask (see ``csrc/forced.c``)."""
     if ask is True:  # the mask after the whole text: how many of its tokens are stable
         segment = segments[c]
@@ -147,6 +147,10 @@ def _reply(
     segment = segmenter.segment(text)
     texts[c], segments[c] = text, segment
     # stable whatever follows when no character class merges with its end (known once the
-    # first stability check of this text ran); else the phase fills the mask and asks
-    keep = len(segment.tokens) if segment.merging == () else _ASK_MASK
-    return segment.tokens, keep
+    # first stability check of this text ran); else the phase fills the mask, looks its words
+    # up among the counts known for this text, and asks when they are not there
+    if segment.merging == ():
+        return segment.tokens, len(segment.tokens)
+    if segment.merging is None:
+        return segment.tokens, _ASK_MASK
+    return segment.tokens, _ASK_MASK, segment.words, segment.known()
