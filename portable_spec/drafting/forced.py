@@ -145,8 +145,10 @@ def forced_drafts(
     draft and forced token (then one rollback; llguidance and forking protocol matchers walk a
     fork instead), the engine's forced text, the tokenizer on forced texts not seen before
     (cached per text), and one mask fill where a forced text ends next to characters that
-    would merge with it or where the grammar may end. Hold the matchers for the call: do not
-    move them from another thread meanwhile (another build over them is refused).
+    would merge with it or where the grammar may end. With the compiled helper, four or more
+    xgrammar requests are walked together in compiled phases (the GIL released), the same
+    calls and tokens (:mod:`portable_spec.drafting.batched`). Hold the matchers for the call:
+    do not move them from another thread meanwhile (another build over them is refused).
     """
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
