@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import chain
 from numbers import Integral
 from typing import Any
 
@@ -69,6 +70,7 @@ _CURSORS = {
 }
 _ENDED = (ENDED_HELD, ENDED_FREE)
 _NO_VOCAB = 1 << 62
+_LISTS, _INTS = frozenset([list]), frozenset([int])
 # xgrammar requests with a tokenizer take _draft_xgrammar (the common case, without the cursor's
 # calls); False: every request takes the cursors (the tests compare both)
 _SHORT_PATH = True
@@ -354,6 +356,8 @@ def _drafts(drafts: Any, batch: int) -> list[list[int]]:
     if isinstance(drafts, (list, tuple)):
         if len(drafts) != batch:
             raise ValueError(f"drafts has {len(drafts)} entries for {batch} matchers")
+        if set(map(type, drafts)) <= _LISTS and set(map(type, chain(*drafts))) <= _INTS:
+            return list(drafts)  # lists of ints: each row read only, as _token_row keeps it
         return [_token_row(row, b) for b, row in enumerate(drafts)]
     if isinstance(drafts, (str, bytes, dict)) or drafts is None:
         raise TypeError(f"drafts must be one int sequence per request, got {drafts!r}")
