@@ -177,7 +177,21 @@ def forced_drafts(
     free_vocab = vocab_size or _NO_VOCAB
     try:
         out: list[list[int]] = [[] for _ in range(batch)]
-        later: _Later = ([], [], [], [])  # the requests set aside for the compiled phases
+        if (
+            batched
+            and rule is None
+            and batch >= _BATCH_FROM
+            and kinds.count(XGRAMMAR) == batch
+            and min(limits) > 0
+            and max(limits) <= MAX_TOKENS
+        ):  # the common case: every request to the compiled phases, as the loop below sets
+            assert segmenter is not None
+            everyone = list(range(batch))
+            starts: list[list[int]] = [[] for _ in everyone]
+            later: _Later = (everyone, rows, starts, [False] * batch)
+            _draft_later(matchers, infos, limits, later, segmenter, out, rows_of)
+            return out
+        later = ([], [], [], [])  # the requests set aside for the compiled phases
         for b, (kind, info, row, limit) in enumerate(zip(kinds, infos, rows, limits, strict=True)):
             if kind == NONE or limit == 0:
                 out[b] = _free(row, limit, free_vocab)
