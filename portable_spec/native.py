@@ -20,6 +20,9 @@ take_rows           listed rows copied out (compact layout)      numpy
 traverse_xgrammar   one request's xgrammar walk, GIL released    xgrammar's Python binding
 grow_xgrammar       a draft tree's new nodes decided, xgrammar   None: the caller's path
                     matchers moved step by step, GIL released
+forced_start        forced_drafts' walk of xgrammar matchers     None: the caller's path
+forced_step         in phases, GIL released (forced_xgrammar
+                    says whether they are there)
 chain_live          llguidance's written-rows pass               None: the caller's numpy pass
 repair_chains       walked chains repaired (vLLM's repeat rule)  none: the vLLM plugin's only,
                                                                  its checked path otherwise
@@ -90,6 +93,9 @@ __all__ = [
     "chain_live",
     "chain_masks",
     "configure",
+    "forced_start",
+    "forced_step",
+    "forced_xgrammar",
     "grow_xgrammar",
     "keep_rows",
     "links_valid",
@@ -120,7 +126,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 def _load() -> ModuleType | None:
@@ -403,9 +409,16 @@ _XGRAMMAR_MOVES = {
     "fill_next_token_bitmask": (["Any", "int", "bool"], "bool"),
     "rollback": (["int"], "None"),
 }
+#: the queries forced_drafts' walk calls besides the moves (bound when their signatures say
+#: this too; :func:`forced_start` declines otherwise)
+_XGRAMMAR_FORCED = {
+    "find_jump_forward_string": ([], "ffi.String"),
+    "is_completed": ([], "bool"),
+}
 _bound_types: dict[type, bool] = {}
 _bound_functions: list[Any] = []  # keeps the bound method functions (and their handles) alive
 _bound_helper: list[ModuleType | None] = [None]  # the compiled helper that holds the binding
+_forced_bound: list[ModuleType | None] = [None]  # the one whose forced-text queries are bound
 
 
 def xgrammar_handle(matcher: Any) -> int:
@@ -507,6 +520,70 @@ def grow_xgrammar(
     if done is None:
         return None
     return int(done[2]), done[3], int(done[0]), int(done[1])
+
+
+def forced_xgrammar() -> bool:
+    """Whether :func:`forced_start` and :func:`forced_step` can walk xgrammar matchers (the
+    compiled helper in use, bound to xgrammar's moves and forced-text queries)."""
+    helper = native
+    return helper is not None and helper is _bound_helper[0] and helper is _forced_bound[0]
+
+
+def forced_start(
+    matchers: list[Any],
+    drafts: list[list[int]],
+    content_ends: list[bool],
+    state: np.ndarray,
+    out: np.ndarray,
+    rows: np.ndarray,
+) -> tuple[list[Any], int, str | None] | None:
+    """The first phase of :func:`portable_spec.forced_drafts`' walk of xgrammar matchers
+    (``portable_spec/csrc/forced.c`` says the protocol), the GIL released.
+
+    Args:
+        matchers: xgrammar matchers probed by the library (each at most ``words`` wide).
+        drafts: per matcher its proposed drafts (a list of ints).
+        content_ends: per matcher whether its first draft ends a reasoning (refused: nothing).
+        state: int64 ``[count, 8]``: columns 2 (tokens already in ``out``) and 3 (the most
+            tokens) set by the caller; the walk's state after.
+        out: int64 ``[count, cap]``: each request's drafts (``cap`` >= its most tokens).
+        rows: int32 ``[count, words]``: the masks the stability check asks for.
+
+    Returns:
+        ``(asks, failed, message)``: per matcher None (done, rolled back, ``out[c, :state[c,
+        2]]`` its drafts), a forced text (str, or bytes that are not whole characters) whose
+        tokens :func:`forced_step` takes, or True (the mask after the text in ``rows[c]``:
+        :func:`forced_step` takes how many of its tokens are stable); ``failed`` -1, or the
+        matcher xgrammar raised on (``message``); matchers not done are moved by
+        ``state[c, 1]`` tokens, to be rolled back by the caller if it stops. ``None`` when the
+        helper cannot walk them (nothing moved).
+    """
+    helper = native
+    if not forced_xgrammar() or helper is None:
+        return None
+    return helper.xgrammar_forced_start(  # type: ignore[no-any-return]
+        matchers, drafts, content_ends, state, out, rows
+    )
+
+
+def forced_step(
+    matchers: list[Any], replies: list[Any], state: np.ndarray, out: np.ndarray, rows: np.ndarray
+) -> tuple[list[Any], int, str | None] | None:
+    """The next phase after :func:`forced_start`: ``replies`` one per matcher, None where it
+    asked nothing, else a tuple ``(tokens, keep)``: to a text, its tokens and how many are
+    stable whatever follows (-1: unknown without the mask, -2: the text had no whole
+    character), with -1 optionally ``(tokens, -1, words, known)``: the counts known for some
+    values of the mask words ``words`` (``known`` flat: per entry those values, then its
+    count), looked up after the fill instead of asking; to True, the text's tokens and how
+    many of them are stable. Returns what
+    :func:`forced_start` returns; ``None`` when the helper was switched meanwhile (nothing
+    moved by this call)."""
+    helper = native
+    if not forced_xgrammar() or helper is None:
+        return None
+    return helper.xgrammar_forced_step(  # type: ignore[no-any-return]
+        matchers, replies, state, out, rows
+    )
 
 
 def chain_live(
@@ -620,6 +697,32 @@ def _bind_moves(helper: ModuleType, info: Any, methods: dict[str, Any]) -> None:
         logger.debug("xgrammar's moves not bound (%s)", exc)
         return
     _bound_functions.extend(functions)
+    _bind_forced(helper, info, methods)
+
+
+def _bind_forced(helper: ModuleType, info: Any, methods: dict[str, Any]) -> None:
+    """Bind the queries of :data:`_XGRAMMAR_FORCED` when their signatures agree (else
+    :func:`forced_start` declines; logged at debug level)."""
+    try:
+        for name, (params, returned) in _XGRAMMAR_FORCED.items():
+            method = methods.get(name)
+            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
+            said, returns = _signature(schema)
+            if (
+                method is None
+                or method.is_static
+                or said != [info.type_key, *params]
+                or returns != [returned]
+            ):
+                logger.debug("xgrammar's %s is %s -> %s; not bound", name, said, returns)
+                return
+        functions = [methods[name].func for name in _XGRAMMAR_FORCED]
+        helper.xgrammar_bind_forced(*(f.__chandle__() for f in functions))
+    except Exception as exc:  # an unexpected reflection layout: the callers' paths
+        logger.debug("xgrammar's forced-text queries not bound (%s)", exc)
+        return
+    _bound_functions.extend(functions)
+    _forced_bound[0] = helper
 
 
 use(_load())

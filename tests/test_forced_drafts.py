@@ -41,6 +41,16 @@ def lltok():
     return T.llguidance_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def route(builder_mode, monkeypatch):
+    """Every test twice: xgrammar matchers walked in the compiled phases (from one request
+    on), and without the compiled helper (the per-request Python walk)."""
+    import portable_spec.drafting.forced as forced
+
+    monkeypatch.setattr(forced, "_BATCH_FROM", 1)
+    return builder_mode
+
+
 class Engine:
     """One engine's grammar for a workload: fresh matchers, their masks, their moves."""
 
@@ -465,3 +475,95 @@ def test_the_xgrammar_short_path_drafts_what_its_cursor_drafts(tok, compiler, mo
             assert got[True] == got[False], f"position {i}"
             if t != 2:
                 assert m.accept_token(t)
+
+
+def test_the_compiled_phases_draft_what_the_python_walk_drafts(tok, compiler, route, monkeypatch):
+    """Batches of xgrammar requests at random positions of both schema workloads, with random
+    proposals (the output's next tokens, a refused token, padding, the end token), random
+    limits and a reasoning request: the compiled phases give the per-request Python walk's
+    tokens, every drafted sequence replays on a fresh matcher, no matcher moves."""
+    import portable_spec.drafting.forced as forced
+
+    if route == "python":
+        pytest.skip("compares the compiled phases with the Python walk")
+    rng = np.random.default_rng(45)
+    eos, think_end = 2, tok.convert_tokens_to_ids("\n")
+    for flexible in (True, False):
+        cases = []
+        for name, instance in sorted(INSTANCES.items()):
+            schema = T.SCHEMA_WORKLOADS[name][0]
+            cases.append((Engine("xgrammar", compiler, None, schema, flexible), instance))
+        for _ in range(12):
+            batch = int(rng.integers(1, 24))
+            matchers, proposals, committed, engines = [], [], [], []
+            for _ in range(batch):
+                engine, instance = cases[int(rng.integers(len(cases)))]
+                ids = [*output_tokens(tok, instance), eos]
+                at = int(rng.integers(0, len(ids)))
+                m = engine.fresh()
+                for t in ids[:at]:
+                    assert m.accept_token(t)
+                ahead = list(ids[at : at + int(rng.integers(0, 9))])
+                kind = int(rng.integers(5))
+                if kind == 1 and ahead:
+                    ahead[int(rng.integers(len(ahead)))] = int(rng.integers(VOCAB))
+                elif kind == 2:
+                    ahead += [-1, -1]
+                elif kind == 3:
+                    ahead.append(VOCAB + 3)
+                if len(matchers) % 5 == 4:  # reasoning (when asked): free tokens, its end
+                    ahead = [*tok.encode("so", add_special_tokens=False), think_end, *ahead]
+                matchers.append(m)
+                proposals.append(ahead)
+                committed.append(ids[:at])
+                engines.append(engine)
+            limits = [int(x) for x in rng.integers(0, 13, size=batch)]
+            reasoning = ps.Reasoning(
+                active=[b % 5 == 4 for b in range(batch)], end_token_ids=[think_end]
+            )
+            before = [e.print(m) for e, m in zip(engines, matchers, strict=True)]
+            got = {}
+            for batched in (True, False):
+                monkeypatch.setattr(forced, "_BATCHED", batched)
+                for with_reasoning in (False, True):
+                    got[batched, with_reasoning] = ps.forced_drafts(
+                        matchers,
+                        proposals,
+                        limits,
+                        tokenizer=tok,
+                        reasoning=reasoning if with_reasoning else None,
+                    )
+                    assert [e.print(m) for e, m in zip(engines, matchers, strict=True)] == before
+            assert got[True, False] == got[False, False]
+            assert got[True, True] == got[False, True]
+            for b, drafted in enumerate(got[True, False]):
+                assert len(drafted) <= limits[b]
+                assert replay_ok(engines[b], committed[b], drafted, eos), (b, drafted)
+
+
+def test_a_tokenizer_that_raises_leaves_every_matcher_in_its_state(tok, compiler):
+    """The tokenizer raises on one request's forced text while the others of the batch are
+    walked (moved, on the compiled phases): MatcherError names that request, every matcher is
+    back in its state, and the next call drafts as usual."""
+    engine = Engine("xgrammar", compiler, None, T.TOOL_CALL_SCHEMA, False)
+    ids = output_tokens(tok, TOOL_CALL)
+    matchers = [engine.fresh() for _ in range(3)]
+    for t in ids[:1]:
+        assert matchers[1].accept_token(t)
+    poisoned = matchers[1].find_jump_forward_string()
+    assert poisoned and poisoned != matchers[0].find_jump_forward_string()
+
+    class Picky:
+        def __call__(self, text):
+            if text.startswith(poisoned):
+                raise RuntimeError("this tokenizer refuses the text")
+            return tok.encode(text, add_special_tokens=False)
+
+    picky = Picky()
+    before = [engine.print(m) for m in matchers]
+    with pytest.raises(ps.MatcherError) as raised:
+        ps.forced_drafts(matchers, [ids[:2], [], ids[:3]], 6, tokenizer=picky)
+    assert raised.value.request_index == 1
+    assert [engine.print(m) for m in matchers] == before
+    got = ps.forced_drafts([matchers[0], matchers[2]], [ids[:2], []], 6, tokenizer=tok)
+    assert all(replay_ok(engine, [], d, 2) for d in got) and got[0][:2] == ids[:2]

@@ -16,6 +16,7 @@
  *   llguidance.c     llguidance_walk: an llguidance matcher's walk, its methods called from C
  *   llguidance_entries.c  llguidance_walks, llguidance_masks: batches of them
  *   guidance.c       vllm_guidance: vLLM's guidance step, one llguidance call per request
+ *   forced.c         xgrammar_forced_start/_step: forced_drafts' walk of xgrammar matchers
  *   module.c         the module table
  *
  * The rule every entry keeps: every Python object and buffer the C reads without the GIL is
@@ -54,8 +55,9 @@
 #include "llguidance.c"
 #include "llguidance_entries.c"
 #include "guidance.c"
+#include "forced.c"
 
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -82,6 +84,14 @@ static PyMethodDef methods[] = {
      "xgrammar_bind(call, move_error, decref, traverse, is_terminated, type_index)."},
     {"xgrammar_bind_moves", xgrammar_bind_moves, METH_VARARGS,
      "xgrammar_bind_moves(accept_token, fill_next_token_bitmask, rollback)."},
+    {"xgrammar_bind_forced", xgrammar_bind_forced, METH_VARARGS,
+     "xgrammar_bind_forced(find_jump_forward_string, is_completed)."},
+    {"xgrammar_forced_start", xgrammar_forced_start, METH_VARARGS,
+     "xgrammar_forced_start(matchers, drafts, content_ends, state, out, rows) -> (asks, failed, "
+     "message) or None (GIL released)."},
+    {"xgrammar_forced_step", xgrammar_forced_step, METH_VARARGS,
+     "xgrammar_forced_step(matchers, replies, state, out, rows) -> (asks, failed, message) or "
+     "None (GIL released)."},
     {"xgrammar_grow", xgrammar_grow, METH_VARARGS,
      "xgrammar_grow(matchers, requests, limits, rows, parents, tokens, valid, live, start, end) "
      "-> (checked, rejected, failed, message) or None (GIL released)."},

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import chain
 from numbers import Integral
 from typing import Any
 
 import numpy as np
 
+from portable_spec import native
 from portable_spec.builder.reasoning import Reasoning, check_reasoning
+from portable_spec.drafting.batched import MAX_TOKENS, draft_xgrammar_batch
 from portable_spec.drafting.segment import Segmenter, segmenter_for
 from portable_spec.engines.cursor import Cursor, single_token, whole_characters
 from portable_spec.engines.generic import ProtocolCursor, generic_info
@@ -67,9 +70,17 @@ _CURSORS = {
 }
 _ENDED = (ENDED_HELD, ENDED_FREE)
 _NO_VOCAB = 1 << 62
+_LISTS, _INTS = frozenset([list]), frozenset([int])
 # xgrammar requests with a tokenizer take _draft_xgrammar (the common case, without the cursor's
 # calls); False: every request takes the cursors (the tests compare both)
 _SHORT_PATH = True
+# xgrammar requests on the short path walk in batched compiled phases when the compiled helper
+# can call xgrammar (drafting.batched); False: each takes _draft_xgrammar (the tests compare)
+_BATCHED = True
+_BATCH_FROM = 4  # requests; fewer take _draft_xgrammar (the tests set it to 1)
+#: the requests set aside for the compiled phases: indices, drafts, reasoning starts, whether
+#: the first draft ends a reasoning
+_Later = tuple[list[int], list[list[int]], list[list[int]], list[bool]]
 # Drafted tokens this many tokens before a forced text's end are taken as they are: what
 # follows the text only re-segments its last pre-tokenizer piece.
 _FAR_FROM_END = 8  # unconstrained requests without vocab_size: only negative ids end drafts
@@ -136,8 +147,10 @@ def forced_drafts(
     draft and forced token (then one rollback; llguidance and forking protocol matchers walk a
     fork instead), the engine's forced text, the tokenizer on forced texts not seen before
     (cached per text), and one mask fill where a forced text ends next to characters that
-    would merge with it or where the grammar may end. Hold the matchers for the call: do not
-    move them from another thread meanwhile (another build over them is refused).
+    would merge with it or where the grammar may end. With the compiled helper, four or more
+    xgrammar requests are walked together in compiled phases (the GIL released), the same
+    calls and tokens (:mod:`portable_spec.drafting.batched`). Hold the matchers for the call:
+    do not move them from another thread meanwhile (another build over them is refused).
     """
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
@@ -160,12 +173,28 @@ def forced_drafts(
     token, held = hold_matchers(matchers)  # refused here if another build walks one
     rows_of: dict[int, np.ndarray] = {}  # scratch mask rows by width (the short path's)
     short = segmenter is not None and _SHORT_PATH
+    batched = short and _BATCHED and native.forced_xgrammar()
     free_vocab = vocab_size or _NO_VOCAB
     try:
-        out = []
+        out: list[list[int]] = [[] for _ in range(batch)]
+        if (
+            batched
+            and rule is None
+            and batch >= _BATCH_FROM
+            and kinds.count(XGRAMMAR) == batch
+            and min(limits) > 0
+            and max(limits) <= MAX_TOKENS
+        ):  # the common case: every request to the compiled phases, as the loop below sets
+            assert segmenter is not None
+            everyone = list(range(batch))
+            starts: list[list[int]] = [[] for _ in everyone]
+            later: _Later = (everyone, rows, starts, [False] * batch)
+            _draft_later(matchers, infos, limits, later, segmenter, out, rows_of)
+            return out
+        later = ([], [], [], [])  # the requests set aside for the compiled phases
         for b, (kind, info, row, limit) in enumerate(zip(kinds, infos, rows, limits, strict=True)):
             if kind == NONE or limit == 0:
-                out.append(_free(row, limit, free_vocab))
+                out[b] = _free(row, limit, free_vocab)
                 continue
             assert info is not None
             start: list[int] = []
@@ -173,27 +202,99 @@ def forced_drafts(
             if rule is not None and rule.active[b]:
                 start, rest = _reasoning_prefix(row, limit, info.vocab_size, rule)
                 if rest is None:  # still reasoning after the drafts: nothing forced
-                    out.append(start)
+                    out[b] = start
                     continue
                 row, content_end = rest, bool(rest) and rest[0] in rule.content_ends
+            if batched and kind == XGRAMMAR and info.handle and limit <= MAX_TOKENS:
+                later[0].append(b)
+                later[1].append(row)
+                later[2].append(start)
+                later[3].append(content_end)
+                continue
             try:
-                if short and kind == XGRAMMAR:
-                    out.append(
-                        _draft_xgrammar(
-                            matchers[b], info, row, limit, start, segmenter, content_end, rows_of
-                        )
-                    )
-                    continue
-                cursor = _CURSORS[kind](matchers[b], info)
-                try:
-                    out.append(_draft(cursor, row, limit, start, segmenter, content_end))
-                finally:
-                    cursor.close()
+                out[b] = _draft_one(
+                    matchers[b],
+                    kind,
+                    info,
+                    row,
+                    limit,
+                    start,
+                    segmenter,
+                    content_end,
+                    short,
+                    rows_of,
+                )
             except BaseException as exc:
                 raise MatcherError(b, exc) from exc
+        if later[0]:
+            assert segmenter is not None
+            _draft_later(matchers, infos, limits, later, segmenter, out, rows_of)
         return out
     finally:
         release_matchers(token, held)
+
+
+def _draft_one(
+    matcher: Any,
+    kind: int,
+    info: MatcherInfo,
+    row: list[int],
+    limit: int,
+    start: list[int],
+    segmenter: Segmenter | None,
+    content_end: bool,
+    short: bool,
+    rows_of: dict[int, np.ndarray],
+) -> list[int]:
+    """One request's drafts on the per-request paths (its index is named by the caller)."""
+    if short and kind == XGRAMMAR:
+        assert segmenter is not None
+        return _draft_xgrammar(matcher, info, row, limit, start, segmenter, content_end, rows_of)
+    cursor = _CURSORS[kind](matcher, info)
+    try:
+        return _draft(cursor, row, limit, start, segmenter, content_end)
+    finally:
+        cursor.close()
+
+
+def _draft_later(
+    matchers: Sequence[Any],
+    infos: list[MatcherInfo | None],
+    limits: list[int],
+    later: _Later,
+    segmenter: Segmenter,
+    out: list[list[int]],
+    rows_of: dict[int, np.ndarray],
+) -> None:
+    """The xgrammar requests set aside for the compiled phases, into ``out``: walked in the
+    phases from :data:`_BATCH_FROM` requests on (below, the phases' fixed cost is more than
+    the per-request walk's), on the per-request path otherwise or where the helper declines."""
+    index, rows, starts, content_ends = later
+    drafted = None
+    if len(index) >= _BATCH_FROM:
+        drafted = draft_xgrammar_batch(
+            [matchers[b] for b in index],
+            [infos[b] for b in index],  # type: ignore[misc]
+            index,
+            rows,
+            [limits[b] for b in index],
+            starts,
+            content_ends,
+            segmenter,
+        )
+    if drafted is not None:
+        for b, tokens in zip(index, drafted, strict=True):
+            out[b] = tokens
+        return
+    for b, row, start, content_end in zip(index, rows, starts, content_ends, strict=True):
+        info = infos[b]
+        assert info is not None
+        try:
+            out[b] = _draft_xgrammar(
+                matchers[b], info, row, limits[b], start, segmenter, content_end, rows_of
+            )
+        except BaseException as exc:
+            raise MatcherError(b, exc) from exc
 
 
 def forced_text(matcher: Any) -> str:
@@ -269,6 +370,8 @@ def _drafts(drafts: Any, batch: int) -> list[list[int]]:
     if isinstance(drafts, (list, tuple)):
         if len(drafts) != batch:
             raise ValueError(f"drafts has {len(drafts)} entries for {batch} matchers")
+        if set(map(type, drafts)) <= _LISTS and set(map(type, chain(*drafts))) <= _INTS:
+            return list(drafts)  # lists of ints: each row read only, as _token_row keeps it
         return [_token_row(row, b) for b, row in enumerate(drafts)]
     if isinstance(drafts, (str, bytes, dict)) or drafts is None:
         raise TypeError(f"drafts must be one int sequence per request, got {drafts!r}")

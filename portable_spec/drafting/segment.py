@@ -63,6 +63,17 @@ class Segment:
     words: tuple[int, ...] = ()
     last_word: int = -1
     keeps: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _flat: tuple[int, tuple[int, ...]] = (0, ())
+
+    def known(self) -> tuple[int, ...]:
+        """:attr:`keeps` flat: per entry the values of the mask words :attr:`words`, then its
+        stable count (rebuilt when an entry was added)."""
+        size, flat = self._flat
+        if size != len(self.keeps):
+            entries = list(self.keeps.items())
+            flat = tuple([v for key, keep in entries for v in (*key, keep)])
+            self._flat = (len(entries), flat)
+        return flat
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
