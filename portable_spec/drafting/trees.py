@@ -25,7 +25,7 @@ class StagedColumns:
     """``[batch, k]`` integer arrays (a level's parents and tokens, a selection), checked now
     and copied to the host without blocking (device arrays: the copy starts now).
 
-    ``backend``: the framework the arrays most likely belong to (a session's own), asked
+    ``backend``: the framework the arrays most likely belong to (a DraftSession's), asked
     first; any other array's framework is looked up. numpy arrays need no look-up."""
 
     def __init__(
