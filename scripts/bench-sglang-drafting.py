@@ -29,10 +29,11 @@ never which.
   at spread-out points of their documents, so that keys, enums and free values all occur).
   Per run: accepted tokens per verify (committed per request-step, bonus included) and the
   drafted verify nodes the grammar refuses (drafting off runs in the drafting switch's shadow
-  mode: sglang's own drafts, followed and counted by the plugin). With
-  drafting on, per step: the host time of the draft rows (the session's root rows and each
-  level's rows for the draft head) against the verify mask of the same tree built three ways:
-  from the draft rows (what the plugin does: the last level's rows, then a gather), the
+  mode: sglang's own drafts, followed and counted by the plugin). With drafting on, per
+  step: the host time of the draft rows (the wall time of the session calls that return
+  them: opening it, its root rows, each level's rows for the draft head) against the verify
+  mask of the same tree built three ways: from the draft rows (what the plugin does: the
+  last level's rows, then a gather, timed from sglang's call of the verify build), the
   library's own build of the tree (``portable_spec.build_grammar_vocab_mask``, what the plugin
   does without drafting) and sglang's ``generate_token_bitmask``; medians over the steps.
 
@@ -139,10 +140,31 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
     request_steps = committed = 0
     stage, rows_of = drafting_module.stage, drafting_module.drafted_rows
 
-    def staged(step: Any) -> None:  # the draft rows' host time, when the draft is staged
+    # the draft rows' host time: the wall time of the session calls that return them (opening
+    # it, the root rows, each level the draft head runs on), summed per draft, taken when the
+    # draft is staged for its verify
+    spent = [0.0]
+    session_type = ps.DraftSession
+    originals = {name: getattr(session_type, name) for name in ("__init__", "root_mask", "extend")}
+
+    def timed(name: str) -> Any:
+        original = originals[name]
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if name == "extend" and not kwargs.get("masks", True):
+                return original(self, *args, **kwargs)  # the verify's level: not a draft row
+            started = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - started
+
+        return call
+
+    def staged(step: Any) -> None:
         if step is not None:
-            t = step.session.timings
-            times["draft"].append(t["grammar_s"] + t["upload_s"])
+            times["draft"].append(spent[0])
+        spent[0] = 0.0
         stage(step)
 
     def gathered(*args: Any) -> Any:
@@ -174,6 +196,8 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
         build = eagle_worker_common.build_grammar_vocab_mask
         eagle_worker_common.build_grammar_vocab_mask = spy
         drafting_module.stage, drafting_module.drafted_rows = staged, gathered
+        for name in originals:
+            setattr(session_type, name, timed(name))
         try:
             spec = _draft.first_draft_input(worker, writers, vocab)
             for _ in range(steps):
@@ -187,6 +211,8 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
         finally:
             eagle_worker_common.build_grammar_vocab_mask = build
             drafting_module.stage, drafting_module.drafted_rows = stage, rows_of
+            for name, original in originals.items():
+                setattr(session_type, name, original)
             plugin.set_drafting(True)
     plugin.reset_stats()
     _check(writers, "EAGLE")

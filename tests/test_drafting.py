@@ -860,3 +860,117 @@ def test_a_bad_row_capacity_is_refused_before_the_level_is_added(smollm2):
         assert rows.shape == (5, smollm2.words) and (rows[4] == -1).all()
         with pytest.raises(ValueError, match="row_capacity"):
             s.root_mask(row_capacity=1)
+
+
+def _closed_selection(rng, parents, nodes, m):
+    """A random selection of ``m`` slots: the root, nodes whose ancestors are all chosen (in
+    id order), then -1 padding."""
+    chosen = [0]
+    for v in range(1, nodes):
+        if parents[v] >= 0 and parents[v] in chosen and rng.random() < 0.6:
+            chosen.append(v)
+    chosen = chosen[:m]
+    return chosen + [-1] * (m - len(chosen))
+
+
+def test_levels_of_changing_width_match_per_node_replay(smollm2, tok):
+    """One session grown by many levels of changing width (1 to 12 nodes, from storage sized
+    for 2, so it grows several times), parents anywhere in the tree so far, as numpy arrays of
+    several dtypes and as lists: every level's rows, and after every level the verify mask and
+    validity of a random subtree (``return_valid=True`` and the separate calls), equal each
+    node's path replayed on a fresh matcher. The requests: xgrammar matchers (walked by the
+    compiled helper), a protocol matcher (decided node by node), an unconstrained one."""
+    size, words, eos = smollm2.size, smollm2.words, smollm2.eos
+    requests = [
+        Request(smollm2.grammars["json_schema"], tok.encode('{"')),
+        Request(smollm2.grammars["builtin_json"]),
+        None,
+        Request(smollm2.grammars["json_schema"], tok.encode('{"name": "')),
+    ]
+    matchers = [requests[0].fresh(), requests[1].fresh(), None]
+    matchers.append(ProtocolMatcher(requests[3].fresh(), vocab_size=size))
+    batch = len(requests)
+    before = matcher_prints(matchers, words, PROBE)
+    rng = np.random.default_rng(46)
+    parent = [[-1] for _ in range(batch)]
+    token = [[0] for _ in range(batch)]
+    oracle = {}  # (request, node) -> (valid, row)
+
+    def expected(b, v):
+        if (b, v) not in oracle:
+            if v > 0 and parent[b][v] == -1:
+                oracle[(b, v)] = (False, np.full(words, -1, np.int32))
+            elif requests[b] is None:
+                oracle[(b, v)] = (True, np.full(words, -1, np.int32))
+            else:
+                path = root_path(parent[b], v)
+                accepted, m = replay(requests[b].fresh, path, token[b], size, words)
+                live = accepted and not m.is_terminated()
+                row = fill_row(m, words, size) if live else np.full(words, -1, np.int32)
+                oracle[(b, v)] = (accepted, row)
+        return oracle[(b, v)]
+
+    def grows(b, v):  # children may follow: accepted, not ended (the root: always)
+        valid, row = expected(b, v)
+        return v == 0 or (valid and (requests[b] is None or bool((row != -1).any())))
+
+    widths = [1, 6, 2, 9, 1, 4, 12, 3, 5]
+    kinds = [np.int64, np.int32, list, np.uint16, np.int64, list, np.int32, np.int64, np.int64]
+    with ps.DraftSession(matchers, size, max_nodes=2) as s:
+        np.testing.assert_array_equal(
+            np.asarray(s.root_mask()), np.stack([expected(b, 0)[1] for b in range(batch)])
+        )
+        for level, (k, kind) in enumerate(zip(widths, kinds, strict=True)):
+            last = level == len(widths) - 1
+            first = s.nodes
+            P = np.full((batch, k), -1, np.int64)
+            T = np.zeros((batch, k), np.int64)
+            for b in range(batch):
+                live = [v for v in range(first) if grows(b, v)]
+                for j in range(k):
+                    if rng.random() < 0.1 or not live:
+                        continue  # padding
+                    p = int(rng.choice(live))
+                    row = expected(b, p)[1]
+                    allowed = np.flatnonzero(
+                        np.unpackbits(row.view(np.uint8), bitorder="little")[:size]
+                    )
+                    roll = rng.random()
+                    if roll < 0.1:
+                        t = eos
+                    elif roll < 0.2 or not allowed.size:
+                        t = int(rng.integers(0, size))  # mostly refused
+                    else:
+                        t = int(rng.choice(allowed))
+                    P[b, j], T[b, j] = p, t
+            for b in range(batch):
+                for j in range(k):
+                    parent[b].append(int(P[b, j]))
+                    token[b].append(int(T[b, j]) if P[b, j] >= 0 else 0)
+            args = (P.tolist(), T.tolist()) if kind is list else (P.astype(kind), T.astype(kind))
+            if kind is np.uint16:
+                args = (P, T.astype(kind))  # parents keep their -1
+            rows = s.extend(*args, masks=not last)
+            nodes = s.nodes
+            assert nodes == first + k
+            if not last:
+                want = np.stack([expected(b, first + j)[1] for b in range(batch) for j in range(k)])
+                np.testing.assert_array_equal(np.asarray(rows), want, err_msg=f"level {level}")
+            m = int(rng.integers(1, nodes + 3))
+            select = np.array(
+                [_closed_selection(rng, parent[b], nodes, m) for b in range(batch)], np.int64
+            )
+            mask, valid = s.verify_mask(select, return_valid=True)
+            np.testing.assert_array_equal(np.asarray(s.verify_mask(select)), np.asarray(mask))
+            np.testing.assert_array_equal(s.valid(select), valid)
+            mask = np.asarray(mask).reshape(batch, m, words)
+            for b in range(batch):
+                for j, v in enumerate(select[b]):
+                    want_valid, want_row = expected(b, v) if v >= 0 else (False, None)
+                    if v < 0:
+                        want_row = np.full(words, -1, np.int32)
+                    np.testing.assert_array_equal(mask[b, j], want_row, err_msg=f"{b}, {v}")
+                    assert valid[b, j] == want_valid, (level, b, v)
+    assert matcher_prints(matchers, words, PROBE) == before
+    accepted = [v for (b, v), (ok, _) in oracle.items() if b == 0 and v > 0 and ok]
+    assert len(accepted) > 10  # the trees reach past their first levels

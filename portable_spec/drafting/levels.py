@@ -36,20 +36,25 @@ def node_states(kind: int, matcher: Any, info: MatcherInfo, words: int) -> NodeS
     raise ValueError(f"no draft states for matcher kind {kind}")
 
 
-def check_parents(first: int, parents: np.ndarray, tree_parents: np.ndarray, where: str) -> None:
+def check_parents(
+    first: int, parents: np.ndarray, safe: np.ndarray, tree_parents: np.ndarray, where: str
+) -> None:
     """A level's parent ids (int64 ``[batch, k]``) must be nodes ``0..first-1`` of the tree so
     far (``tree_parents``: int64 ``[batch, capacity]``) that are not padding slots, or -1;
-    ``ValueError`` naming the first that is not (``where``: appended to the message)."""
-    wrong = (parents < -1) | (parents >= first)
-    if wrong.any():  # argwhere only then: it costs several times a reduction
+    ``ValueError`` naming the first that is not (``where``: appended to the message).
+    ``safe``: ``parents`` with -1 replaced by 0 (the caller has it; indexes only once the
+    range is checked)."""
+    if parents.min() < -1 or parents.max() >= first:
+        wrong = (parents < -1) | (parents >= first)  # argwhere only now: it costs more
         b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(
             f"parents[{b}, {j}] = {int(parents[b, j])} is not a node of the tree{where}: "
             f"parents must be existing nodes 0..{first - 1}, or -1 for a padding slot"
         )
-    safe = np.where(parents < 0, 0, parents)
-    padding_parent = (tree_parents[np.arange(parents.shape[0])[:, None], safe] < 0) & (safe > 0)
-    wrong = padding_parent & (parents >= 0)
+    if first == 1:
+        return  # the root alone: nothing else to name
+    # a parent whose own parent is -1 is a padding slot, unless it is the root
+    wrong = (tree_parents[np.arange(parents.shape[0])[:, None], safe] < 0) & (safe > 0)
     if wrong.any():
         b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(

@@ -110,6 +110,7 @@ class DraftSession:
         self._walked_limits: np.ndarray | None = None
         self._walked_matchers: list[Any] = []
         self._unconstrained = [b for b, kind in enumerate(kinds) if kind == NONE]
+        self._others = [b for b in range(self.batch) if kinds[b] != XGRAMMAR]  # not walked
         self._batch_rows = np.arange(self.batch)[:, None]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
@@ -294,7 +295,7 @@ class DraftSession:
         New node ids: ``session.nodes`` (read before the call) up to ``session.nodes + k - 1``.
         """
         self._check_open()
-        staged = StagedColumns((parents, tokens), ("parents", "tokens"), self.batch)
+        staged = StagedColumns((parents, tokens), ("parents", "tokens"), self.batch, self._backend)
         if masks:  # the states fork or move the session's matchers: not while a build walks them
             check_not_pending(self._grammars)
         k = staged.shape[1]
@@ -342,21 +343,56 @@ class DraftSession:
         t1 = time.perf_counter()
         k = parents.shape[1]
         where = " (a level added with masks=False)" if pending else ""
-        check_parents(first, parents, self._parents, where)
-        self._grow(first + k)
-        batch = self.batch
-        columns = slice(first, first + k)
         pad = parents < 0
-        safe_parent = np.where(pad, 0, parents)
+        padded = bool(pad.any())
+        safe_parent = np.where(pad, 0, parents) if padded else parents
+        check_parents(first, parents, safe_parent, self._parents, where)
+        self._grow(first + k)
+        columns = slice(first, first + k)
         rows_b = self._batch_rows
-        depth = np.where(pad, 0, self._depth[rows_b, safe_parent] + 1)
-        if self._limited:
+        if self._limited:  # depths only matter to engines that bound them
+            depth = self._depth[rows_b, safe_parent] + 1
+            if padded:
+                depth[pad] = 0
             check_depths(self._states, self._limited, depth, where)
+            self._depth[:, columns] = depth
 
         # writes below stay invisible until self._nodes moves past them
         self._parents[:, columns] = parents
-        self._tokens[:, columns] = np.where(pad, 0, tokens)
-        self._depth[:, columns] = depth
+        self._tokens[:, columns] = np.where(pad, 0, tokens) if padded else tokens
+        if self._forked or self._unconstrained:
+            self._decide_others(first, parents, tokens, pad, safe_parent)
+        if walk:
+            try:
+                self._walk(first, first + k)
+            except BaseException:
+                for states in self._states:
+                    if states is not None:
+                        states.discard(first)
+                raise
+        if not pending:
+            self._nodes = first + k
+            self._levels += 1
+        self.timings["levels"] += 1
+        self.timings["wait_s"] += t1 - t0
+        self.timings["grammar_s"] += time.perf_counter() - t1
+
+    def _decide_others(
+        self,
+        first: int,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+        pad: np.ndarray,
+        safe_parent: np.ndarray,
+    ) -> None:
+        """Rows, ``valid`` and ``live`` of a level's nodes (ids from ``first``; ``parents`` and
+        ``tokens`` int64 ``[batch, k]``, ``pad`` their padding slots) for the requests that
+        are not walked: unconstrained ones (every node valid and live, all-allowed) and those
+        whose engine decides node by node. The walked requests' columns are left to their
+        walk, which writes all of them."""
+        batch, k = parents.shape
+        columns = slice(first, first + k)
+        rows_b = self._batch_rows
         valid = np.zeros((batch, k), dtype=bool)
         live = np.zeros((batch, k), dtype=bool)
         unconstrained = self._unconstrained
@@ -393,22 +429,9 @@ class DraftSession:
             fill[self._walked] = False
         if fill.any():
             self._rows[:, columns][fill] = ALL_ALLOWED
-        self._valid[:, columns] = valid
-        self._live[:, columns] = live
-        if walk:
-            try:
-                self._walk(first, first + k)
-            except BaseException:
-                for states in self._states:
-                    if states is not None:
-                        states.discard(first)
-                raise
-        if not pending:
-            self._nodes = first + k
-            self._levels += 1
-        self.timings["levels"] += 1
-        self.timings["wait_s"] += t1 - t0
-        self.timings["grammar_s"] += time.perf_counter() - t1
+        others = self._others
+        self._valid[others, columns] = valid[others]
+        self._live[others, columns] = live[others]
 
     def _walk(self, start: int, end: int) -> None:
         """The walked requests' rows, ``valid`` and ``live`` for nodes ``start .. end - 1``
@@ -472,9 +495,11 @@ class DraftSession:
         n = self._nodes
         if select is None:
             return np.broadcast_to(np.arange(n, dtype=np.int64), (self.batch, n))
-        return check_selection(select, self.batch, self._parents, n)
+        return check_selection(select, self.batch, self._parents, n, self._backend)
 
-    def verify_mask(self, select: Any = None, *, row_capacity: int | None = None) -> Any:
+    def verify_mask(
+        self, select: Any = None, *, row_capacity: int | None = None, return_valid: bool = False
+    ) -> Any:
         """The grammar mask of the verify tree: the drafted tree, or a subtree of it.
 
         Args:
@@ -484,6 +509,7 @@ class DraftSession:
                 selected too (as EAGLE's re-ranking to ``num_draft_tokens`` keeps them).
             row_capacity: rows of the returned mask (all-allowed padding), as for
                 :func:`portable_spec.build_grammar_vocab_mask`.
+            return_valid: also return :meth:`valid` of the same selection (checked once).
 
         Returns:
             int32 ``[batch * m, ceil(vocab_size / 32)]`` on the session's device, row
@@ -491,7 +517,8 @@ class DraftSession:
             padding): bit-identical to :func:`portable_spec.build_grammar_vocab_mask` on the
             verify tree (:meth:`verify_tree`), computed from the rows drafting computed: no
             grammar walk, one gather. ``None`` when no request has a grammar (unless
-            ``row_capacity`` is given or the placement spans processes).
+            ``row_capacity`` is given or the placement spans processes). With
+            ``return_valid``: ``(mask, valid)``, ``valid`` as :meth:`valid` returns it.
 
         Blocks only to compute levels added with ``masks=False`` and, for a device
         ``select``, for its host copy; the upload is started without blocking.
@@ -514,7 +541,8 @@ class DraftSession:
                 out[padding] = ALL_ALLOWED
 
         self.timings["grammar_s"] += time.perf_counter() - t0
-        return self._upload(fill, layout, self.words)
+        mask = self._upload(fill, layout, self.words)
+        return (mask, self._selected_valid(sel)) if return_valid else mask
 
     def verify_tree(self, select: Any = None) -> GrammarTree:
         """The verify tree of a selection (see :meth:`verify_mask`) as a host
@@ -530,9 +558,11 @@ class DraftSession:
         included; the root always; every node of an unconstrained request; never padding)."""
         self._check_open()
         self._flush()
-        sel = self._selection(select)
-        rows_b = np.arange(self.batch)[:, None]
-        return np.where(sel >= 0, self._valid[rows_b, np.where(sel >= 0, sel, 0)], False)
+        return self._selected_valid(self._selection(select))
+
+    def _selected_valid(self, sel: np.ndarray) -> np.ndarray:
+        chosen = sel >= 0
+        return self._valid[self._batch_rows, np.where(chosen, sel, 0)] & chosen
 
     def tree(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the drafted tree so far: ``(parents, tokens)``, int64 ``[batch, nodes]``

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec.backend import Backend
 from portable_spec.registry import backend_for
 from portable_spec.tree import GrammarTree, as_int64, host_array, integer_info
 
@@ -22,57 +23,80 @@ __all__ = [
 
 class StagedColumns:
     """``[batch, k]`` integer arrays (a level's parents and tokens, a selection), checked now
-    and copied to the host without blocking (device arrays: the copy starts now)."""
+    and copied to the host without blocking (device arrays: the copy starts now).
 
-    def __init__(self, arrays: Sequence[Any], names: Sequence[str], batch: int) -> None:
+    ``backend``: the framework the arrays most likely belong to (a DraftSession's), asked
+    first; any other array's framework is looked up. numpy arrays need no look-up."""
+
+    def __init__(
+        self,
+        arrays: Sequence[Any],
+        names: Sequence[str],
+        batch: int,
+        backend: Backend | None = None,
+    ) -> None:
         self.names = tuple(names)
         hosts: list[Any] = []
         infos = []
         for name, array in zip(names, arrays, strict=True):
             if isinstance(array, (list, tuple)):
                 array = host_array(name, array)
-            backend = backend_for(array)
-            info = integer_info(name, array, backend)
-            shape = tuple(info.shape)
+            if type(array) is np.ndarray:
+                if array.dtype.kind not in "iu":
+                    raise TypeError(f"{name} must have an integer dtype, got {array.dtype}")
+                shape = array.shape
+                owner: Backend | None = None
+            else:
+                owner = backend if backend is not None and backend.owns(array) else None
+                if owner is None:
+                    owner = backend_for(array)
+                shape = tuple(integer_info(name, array, owner).shape)
+            given = tuple(shape)
             if len(shape) == 1 and batch == 1:
                 shape = (1, shape[0])
             if len(shape) != 2 or shape[0] != batch:
                 raise ValueError(
                     f"{name} must be [batch, k] with batch = {batch} (a 1-D [k] array for "
-                    f"batch 1), got shape {tuple(info.shape)}"
+                    f"batch 1), got shape {given}"
                 )
             if shape[1] < 1:
-                raise ValueError(f"{name} has no columns (shape {tuple(info.shape)})")
+                raise ValueError(f"{name} has no columns (shape {given})")
             infos.append(shape)
-            hosts.append((backend, array))
+            hosts.append((owner, array))
         if any(s != infos[0] for s in infos[1:]):
             raise ValueError(
                 f"{names[0]} has shape {infos[0]} but {names[1]} has shape {infos[1]}; "
                 "they must have the same shape"
             )
         self.shape: tuple[int, int] = infos[0]
-        self._handles = []
-        for backend, array in hosts:  # started now: the copies overlap what follows
-            self._handles.append(backend.stage([array]))
+        # started now, one staging per framework: the copies overlap what follows
+        self._hosts: list[Any] = [array if owner is None else None for owner, array in hosts]
+        self._handles: list[tuple[list[int], Any]] = []
+        for owner in {id(o): o for o, _ in hosts if o is not None}.values():
+            picked = [i for i, (o, _) in enumerate(hosts) if o is owner]
+            self._handles.append((picked, owner.stage([hosts[i][1] for i in picked])))
 
     def resolve(self) -> list[np.ndarray]:
-        """Wait for the copies; C-contiguous int64 ``[batch, k]`` arrays."""
-        out = []
-        for handle in self._handles:
-            (host,) = handle.resolve()
-            out.append(as_int64(host, self.shape))
-        return out
+        """Wait for the copies; private C-contiguous int64 ``[batch, k]`` arrays."""
+        hosts = list(self._hosts)
+        for picked, handle in self._handles:
+            for i, host in zip(picked, handle.resolve(), strict=True):
+                hosts[i] = host
+        return [as_int64(host, self.shape) for host in hosts]
 
 
-def check_selection(select: Any, batch: int, parents: np.ndarray, n: int) -> np.ndarray:
+def check_selection(
+    select: Any, batch: int, parents: np.ndarray, n: int, backend: Backend | None = None
+) -> np.ndarray:
     """A verify-tree selection of drafted nodes, checked: int64 ``[batch, m]``.
 
     ``select``: int ``[batch, m]`` (``[m]`` for batch 1; host or device: waits for its copy),
     ``select[b, 0] = 0`` (the root), each entry a node below ``n`` or -1 (padding), no node
     twice, every selected node's parent selected. ``parents``: the drafted tree's int64
-    ``[batch, capacity]`` parent ids. ``ValueError``/``TypeError`` naming the first bad entry.
+    ``[batch, capacity]`` parent ids; ``backend``: as for :class:`StagedColumns`.
+    ``ValueError``/``TypeError`` naming the first bad entry.
     """
-    (sel,) = StagedColumns((select,), ("select",), batch).resolve()
+    (sel,) = StagedColumns((select,), ("select",), batch, backend).resolve()
     if not (sel[:, 0] == 0).all():
         b = int(np.flatnonzero(sel[:, 0] != 0)[0])
         raise ValueError(f"select[{b}, 0] = {int(sel[b, 0])}: the first node must be 0, the root")
@@ -86,8 +110,7 @@ def check_selection(select: Any, batch: int, parents: np.ndarray, n: int) -> np.
     rows_b = np.repeat(np.arange(batch), m)
     flat = sel.reshape(-1)
     chosen = flat >= 0
-    count = np.zeros((batch, n), dtype=np.int64)
-    np.add.at(count, (rows_b[chosen], flat[chosen]), 1)
+    count = np.bincount((rows_b * n + flat)[chosen], minlength=batch * n).reshape(batch, n)
     dup = np.argwhere(count > 1)
     if dup.size:
         b, v = (int(x) for x in dup[0])

@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from portable_spec import native
 from portable_spec.integrations.sglang.internals import logger
 from portable_spec.integrations.sglang.state import STATS, drafting_mode
+from portable_spec.topology import validate_links
 
 __all__ = ["Drafted", "clear", "drafted_rows", "mode", "stage"]
 
@@ -104,9 +106,8 @@ def drafted_rows(
             STATS.add("draft_mismatches")
             logger.debug("portable_spec: a drafted step's verify tree is not the drafted tree")
             return None
-        session, select = step.session, step.select
-        mask = session.verify_mask(select)
-        valid = session.valid(select)
+        mask, valid = step.session.verify_mask(step.select, return_valid=True)
+        select = step.select
         real = (select > 0) & np.array([m is not None for m in step.matchers])[:, None]
         STATS.update({"draft_verify_masks": 1, "refused_draft_nodes": int((real & ~valid).sum())})
         if mask is None:  # no request has a grammar: nothing the caller could use
@@ -135,6 +136,9 @@ def _matches(step: Drafted, plan: Any, arrays: list[np.ndarray], vocab_size: int
     select = step.select
     if draft.shape != select.shape:
         return False
+    verified = _parents(next_token, next_sibling)
+    if verified is None:  # malformed links: the verify build names the problem
+        return False
     parents, tokens = step.session.tree()
     batch = select.shape[0]
     rows = np.arange(batch)[:, None]
@@ -145,31 +149,34 @@ def _matches(step: Drafted, plan: Any, arrays: list[np.ndarray], vocab_size: int
     position[b, select[b, j]] = j
     parent = parents[rows, safe]
     mine = np.where(chosen & (parent >= 0), position[rows, np.where(parent >= 0, parent, 0)], -1)
-    if not np.array_equal(mine, _parents(next_token, next_sibling)):
+    if not np.array_equal(mine, verified):
         return False
     same = (tokens[rows, safe] == draft) | ~chosen
     same[:, 0] = True  # the root's token is the last committed one, not a draft
     return bool(same.all())
 
 
-def _parents(next_token: np.ndarray, next_sibling: np.ndarray) -> np.ndarray:
+def _parents(next_token: np.ndarray, next_sibling: np.ndarray) -> np.ndarray | None:
     """Each node's parent (-1: the root, or a node no link reaches) from first-child /
-    next-sibling links, int64 ``[batch, nodes]``; vectorized, one pass per sibling hop."""
+    next-sibling links, int64 ``[batch, nodes]``; None when the links are not a well-formed
+    tree. A fixed number of numpy passes: each sibling list's first node found by pointer
+    jumping (``ceil(log2(nodes))`` rounds), once the links are known to be well formed (the
+    compiled check, else the library's validator)."""
+    next_token = np.ascontiguousarray(next_token, dtype=np.int64)
+    next_sibling = np.ascontiguousarray(next_sibling, dtype=np.int64)
     batch, nodes = next_token.shape
-    parent = np.full((batch, nodes), -1, dtype=np.int64)
+    if not native.links_valid(next_token, next_sibling):
+        try:
+            validate_links(next_token, next_sibling)
+        except ValueError:
+            return None
     rows = np.arange(batch)[:, None]
-    src = np.broadcast_to(np.arange(nodes), (batch, nodes))
-    has = (next_token >= 0) & (next_token < nodes)
-    b, p = np.nonzero(has)
-    parent[b, next_token[b, p]] = src[b, p]
-    frontier = np.where(has, next_token, -1)  # the child each node's sibling walk is at
-    for _ in range(nodes):
-        safe = np.where(frontier >= 0, frontier, 0)
-        sib = np.where(frontier >= 0, next_sibling[rows, safe], -1)
-        sib = np.where((sib >= 0) & (sib < nodes), sib, -1)
-        if not (sib >= 0).any():
-            break
-        b, p = np.nonzero(sib >= 0)
-        parent[b, sib[b, p]] = p
-        frontier = sib
-    return parent
+    parent = np.full((batch, nodes), -1, dtype=np.int64)
+    b, p = np.nonzero(next_token >= 0)
+    parent[b, next_token[b, p]] = p
+    first = np.broadcast_to(np.arange(nodes), (batch, nodes)).copy()  # the previous sibling
+    b, v = np.nonzero(next_sibling >= 0)
+    first[b, next_sibling[b, v]] = v
+    for _ in range((nodes - 1).bit_length()):
+        first = first[rows, first]
+    return parent[rows, first]

@@ -174,16 +174,15 @@ class EagleStep:
         have = ~missing
         if not np.array_equal(session_tokens[rows_b, np.where(have, nodes, 0)][have], tokens[have]):
             return None
-        if missing.any():
-            width = int(missing.sum(axis=1).max())
+        if missing.any():  # one level: each request's missing nodes in order, then padding
+            slot = np.cumsum(missing, axis=1) - 1
+            width = int(slot[:, -1].max()) + 1
             level_parents = np.full((batch, width), -1, dtype=np.int64)
             level_tokens = np.zeros((batch, width), dtype=np.int64)
-            first = self.session.nodes
-            for b in range(batch):
-                cols = np.flatnonzero(missing[b])
-                level_parents[b, : cols.size] = parents[b, cols]
-                level_tokens[b, : cols.size] = tokens[b, cols]
-                nodes[b, cols] = first + np.arange(cols.size)
+            b, c = np.nonzero(missing)
+            level_parents[b, slot[b, c]] = parents[b, c]
+            level_tokens[b, slot[b, c]] = tokens[b, c]
+            nodes[b, c] = self.session.nodes + slot[b, c]
             self.session.extend(level_parents, level_tokens, masks=False)
         select = np.concatenate([np.zeros((batch, 1), dtype=np.int64), nodes], axis=1)
         step = drafting.Drafted(
