@@ -640,18 +640,8 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
         return False
     try:
         methods = {method.name: method for method in info.methods}
-        for name, params in _XGRAMMAR_METHODS.items():
-            method = methods.get(name)
-            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
-            said, returns = _signature(schema)
-            if (
-                method is None
-                or method.is_static
-                or said != [info.type_key, *params]
-                or returns != ["bool"]
-            ):
-                logger.debug("xgrammar through tvm-ffi's C ABI: %s is %s; not bound", name, said)
-                return False
+        queries = {name: (params, "bool") for name, params in _XGRAMMAR_METHODS.items()}
+        _matching(info, methods, queries, "its draft-tree walk")
         import ctypes
 
         def address(symbol: str) -> int:
@@ -666,7 +656,7 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
             functions[1].__chandle__(),
             int(info.type_index),
         )
-    except Exception as exc:  # an unexpected reflection layout: keep the Python binding
+    except Exception as exc:  # a signature that differs, an unexpected reflection layout
         logger.debug("xgrammar through tvm-ffi's C ABI: not bound (%s)", exc)
         return False
     _bound_functions.extend(functions)
@@ -675,25 +665,30 @@ def _bind_xgrammar(helper: ModuleType, kind: type) -> bool:
     return True
 
 
+def _matching(info: Any, methods: dict[str, Any], table: dict[str, Any], what: str) -> list[Any]:
+    """The functions of ``table``'s methods (name -> (parameters, returned)) when every
+    signature agrees; raises ``LookupError`` (logged by the caller) when one does not."""
+    for name, (params, returned) in table.items():
+        method = methods.get(name)
+        schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
+        said, returns = _signature(schema)
+        if (
+            method is None
+            or method.is_static
+            or said != [info.type_key, *params]
+            or returns != [returned]
+        ):
+            raise LookupError(f"xgrammar's {name} is {said} -> {returns}; {what} not bound")
+    return [methods[name].func for name in table]
+
+
 def _bind_moves(helper: ModuleType, info: Any, methods: dict[str, Any]) -> None:
     """Bind the single-step methods of :data:`_XGRAMMAR_MOVES` when their signatures agree
     (else :func:`grow_xgrammar` declines; logged at debug level)."""
     try:
-        for name, (params, returned) in _XGRAMMAR_MOVES.items():
-            method = methods.get(name)
-            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
-            said, returns = _signature(schema)
-            if (
-                method is None
-                or method.is_static
-                or said != [info.type_key, *params]
-                or returns != [returned]
-            ):
-                logger.debug("xgrammar's %s is %s -> %s; its moves not bound", name, said, returns)
-                return
-        functions = [methods[name].func for name in _XGRAMMAR_MOVES]
+        functions = _matching(info, methods, _XGRAMMAR_MOVES, "its moves")
         helper.xgrammar_bind_moves(*(f.__chandle__() for f in functions))
-    except Exception as exc:  # an unexpected reflection layout: the callers' paths
+    except Exception as exc:  # a signature that differs, an unexpected reflection layout
         logger.debug("xgrammar's moves not bound (%s)", exc)
         return
     _bound_functions.extend(functions)
@@ -704,21 +699,9 @@ def _bind_forced(helper: ModuleType, info: Any, methods: dict[str, Any]) -> None
     """Bind the queries of :data:`_XGRAMMAR_FORCED` when their signatures agree (else
     :func:`forced_start` declines; logged at debug level)."""
     try:
-        for name, (params, returned) in _XGRAMMAR_FORCED.items():
-            method = methods.get(name)
-            schema = json.loads(method.metadata["type_schema"]) if method is not None else {}
-            said, returns = _signature(schema)
-            if (
-                method is None
-                or method.is_static
-                or said != [info.type_key, *params]
-                or returns != [returned]
-            ):
-                logger.debug("xgrammar's %s is %s -> %s; not bound", name, said, returns)
-                return
-        functions = [methods[name].func for name in _XGRAMMAR_FORCED]
+        functions = _matching(info, methods, _XGRAMMAR_FORCED, "its forced-text queries")
         helper.xgrammar_bind_forced(*(f.__chandle__() for f in functions))
-    except Exception as exc:  # an unexpected reflection layout: the callers' paths
+    except Exception as exc:  # a signature that differs, an unexpected reflection layout
         logger.debug("xgrammar's forced-text queries not bound (%s)", exc)
         return
     _bound_functions.extend(functions)
