@@ -59,13 +59,7 @@ static char *ffi_message(const char *text) {
 
 /* matcher.is_completed(): 0 or 1, or -1 with *error set. */
 static int ffi_is_completed(const FfiAny *matcher, char **error) {
-    FfiAny args[1] = {*matcher}, result;
-    ffi_arg(&result, FFI_NONE);
-    if (ffi_call(xgr_is_completed_fn, args, 1, &result) != 0) {
-        *error = ffi_take_error();
-        return -1;
-    }
-    return result.v_int64 != 0;
+    return ffi_bool_query(xgr_is_completed_fn, matcher, error);
 }
 
 /* matcher.find_jump_forward_string(): its bytes in *text (malloc'd, NULL when empty), their

@@ -168,15 +168,21 @@ static void ffi_arg(FfiAny *arg, int32_t type_index) {
     arg->v_int64 = 0;
 }
 
-/* matcher.is_terminated(): 0 or 1, or -1 with *error set (malloc'd or NULL). */
-static int ffi_is_terminated(const FfiAny *matcher, char **error) {
+/* A matcher method taking nothing and returning a bool (`fn`, bound): 0 or 1, or -1 with
+   *error set (malloc'd or NULL). */
+static int ffi_bool_query(void *fn, const FfiAny *matcher, char **error) {
     FfiAny args[1] = {*matcher}, result;
     ffi_arg(&result, FFI_NONE);
-    if (ffi_call(xgr_is_terminated_fn, args, 1, &result) != 0) {
+    if (ffi_call(fn, args, 1, &result) != 0) {
         *error = ffi_take_error();
         return -1;
     }
     return result.v_int64 != 0;
+}
+
+/* matcher.is_terminated(): 0 or 1, or -1 with *error set (malloc'd or NULL). */
+static int ffi_is_terminated(const FfiAny *matcher, char **error) {
+    return ffi_bool_query(xgr_is_terminated_fn, matcher, error);
 }
 
 /* matcher.traverse_draft_tree over n nodes (links and tokens int64 [n], rows int32
