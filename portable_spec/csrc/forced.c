@@ -129,6 +129,7 @@ typedef struct {
 typedef struct {
     Py_ssize_t count, cap, words;
     Forced *entries;
+    PyObject *replies; /* dict: forced text (bytes) -> its reply, or NULL (borrowed) */
     int64_t *stops; /* every distinct stop set's copy */
     Py_ssize_t failed;
     char *error;
@@ -186,6 +187,7 @@ static int fx_advance(Forced *e, Py_ssize_t cap, int text_next, char **error) {
     int64_t *s = e->state;
     while (s[FS_COUNT] < s[FS_LIMIT]) {
         if (text_next) {
+            free(e->text);
             if (ffi_forced_text(&e->arg, &e->text, &e->ntext, error) != 0) return -1;
             if (e->ntext > 0) {
                 s[FS_STATUS] = FS_TEXT;
@@ -422,44 +424,6 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
     return 1;
 }
 
-/* (asks, failed, message) after a phase. */
-static PyObject *phase_result(Phase *p) {
-    PyObject *asks = PyList_New(p->count);
-    if (asks == NULL) return NULL;
-    for (Py_ssize_t c = 0; c < p->count; c++) {
-        Forced *e = &p->entries[c];
-        PyObject *ask = Py_None;
-        int64_t status = e->state[FS_STATUS];
-        if (status == FS_TEXT) {
-            ask = PyUnicode_DecodeUTF8(e->text, (Py_ssize_t)e->ntext, "strict");
-            if (ask == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-                PyErr_Clear(); /* not whole characters (xgrammar 0.2.8): the caller cuts */
-                ask = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
-            }
-            if (ask == NULL) {
-                Py_DECREF(asks);
-                return NULL;
-            }
-        } else {
-            Py_INCREF(ask = status == FS_STABLE ? Py_True : Py_None);
-        }
-        PyList_SET_ITEM(asks, c, ask);
-    }
-    PyObject *message = Py_None;
-    if (p->failed >= 0) {
-        message = PyUnicode_DecodeUTF8(p->error ? p->error : "xgrammar failed",
-                                       (Py_ssize_t)strlen(p->error ? p->error : "xgrammar failed"),
-                                       "replace");
-        if (message == NULL) {
-            Py_DECREF(asks);
-            return NULL;
-        }
-    } else {
-        Py_INCREF(message);
-    }
-    return Py_BuildValue("(NnN)", asks, p->failed, message);
-}
-
 /* A text reply's known stable counts: `words` (mask word indices) and `known` (per entry the
    values of those words, then its count), ints, copied. 0, or -1 with an error set. */
 static int fx_known_copy(Forced *e, PyObject *words, PyObject *known) {
@@ -485,11 +449,152 @@ static int fx_known_copy(Forced *e, PyObject *words, PyObject *known) {
     return 0;
 }
 
+/* Request c's reply to its ask (status FS_TEXT or FS_STABLE): (tokens, keep[, words, known]),
+   copied; the request runs in the next phase. 0, or -1 with an error set. */
+static int fx_reply(Forced *e, int64_t status, PyObject *item, const char *name) {
+    int64_t keep;
+    Py_ssize_t size = PyTuple_CheckExact(item) ? PyTuple_GET_SIZE(item) : 0;
+    if (status == FS_DONE || (size != 2 && size != 4) ||
+        exact_int(PyTuple_GET_ITEM(item, 1), &keep) != 0 ||
+        keep < (status == FS_TEXT ? FS_NO_TEXT : 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: a reply is (tokens, keep[, words, known]) to an ask", name);
+        return -1;
+    }
+    PyMem_Free(e->tokens);
+    PyMem_Free(e->known);
+    e->tokens = NULL, e->known = NULL, e->ntokens = 0, e->nwords = 0, e->nknown = 0;
+    if (fx_tokens(PyTuple_GET_ITEM(item, 0), e, name) != 0) return -1;
+    if (size == 4 &&
+        fx_known_copy(e, PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3)) != 0)
+        return -1;
+    e->keep = keep;
+    e->run = 2;
+    return 0;
+}
+
+/* After a phase, with the GIL: every request that asked for a forced text the replies table
+   answers gets that answer and runs again; the others stop (asked, or done). The count that
+   run again, or -1 with an error set. */
+static Py_ssize_t fx_resolve(Phase *p) {
+    Py_ssize_t again = 0;
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        e->run = 0;
+        if (p->replies == NULL || e->state[FS_STATUS] != FS_TEXT) continue;
+        PyObject *key = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
+        if (key == NULL) return -1;
+        PyObject *reply = PyDict_GetItemWithError(p->replies, key);
+        Py_DECREF(key);
+        if (reply == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        Py_INCREF(reply);
+        int bad = fx_reply(e, FS_TEXT, reply, "forced text replies");
+        Py_DECREF(reply);
+        if (bad) return -1;
+        again++; /* the text stays: a stability ask names it */
+    }
+    return again;
+}
+
+/* Phases until every request is done or asks what the replies table does not answer (or one
+   fails). 0, or -1 with an error set (matchers may be held: see the state). */
+static int fx_loop(Phase *p) {
+    for (;;) {
+        fx_run(p);
+        if (p->failed >= 0) return 0;
+        Py_ssize_t again = fx_resolve(p);
+        if (again < 0) return -1;
+        if (again == 0) return 0;
+    }
+}
+
+/* The forced text a request asked last: a str, or bytes when not whole UTF-8 characters
+   (xgrammar 0.2.8: the caller cuts). NULL with an error set. */
+static PyObject *fx_text_object(const Forced *e) {
+    PyObject *text = PyUnicode_DecodeUTF8(e->text, (Py_ssize_t)e->ntext, "strict");
+    if (text == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        text = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
+    }
+    return text;
+}
+
+/* (asks, failed, message, drafts) after the phases: asks one per request (see the top), None
+   when none asks; drafts, when every request is done, a list per request of its drafts
+   (out[c, :count]), else None. */
+static PyObject *phase_result(Phase *p) {
+    PyObject *asks = PyList_New(p->count);
+    if (asks == NULL) return NULL;
+    int asked = 0;
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        PyObject *ask = Py_None;
+        int64_t status = e->state[FS_STATUS];
+        if (status == FS_TEXT || status == FS_STABLE) {
+            /* a stability ask names its text, or None when the caller gave its tokens (the
+               text then being the one it was asked last for this request) */
+            ask = e->text == NULL ? Py_NewRef(Py_None) : fx_text_object(e);
+            if (ask != NULL && status == FS_STABLE) Py_SETREF(ask, PyTuple_Pack(1, ask));
+            if (ask == NULL) {
+                Py_DECREF(asks);
+                return NULL;
+            }
+            asked = 1;
+        } else {
+            Py_INCREF(ask);
+        }
+        PyList_SET_ITEM(asks, c, ask);
+    }
+    PyObject *message = NULL, *drafts = NULL;
+    if (p->failed >= 0) {
+        const char *text = p->error ? p->error : "xgrammar failed";
+        message = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+        if (message == NULL) goto fail;
+    } else if (!asked) {
+        drafts = PyList_New(p->count);
+        if (drafts == NULL) goto fail;
+        for (Py_ssize_t c = 0; c < p->count; c++) {
+            Forced *e = &p->entries[c];
+            Py_ssize_t n = (Py_ssize_t)e->state[FS_COUNT];
+            PyObject *row = PyList_New(n);
+            if (row == NULL) goto fail;
+            PyList_SET_ITEM(drafts, c, row);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                PyObject *t = PyLong_FromLongLong(e->out[j]);
+                if (t == NULL) goto fail;
+                PyList_SET_ITEM(row, j, t);
+            }
+        }
+    }
+    if (!asked) Py_SETREF(asks, Py_NewRef(Py_None));
+    return Py_BuildValue("(NnNN)", asks, p->failed, message ? message : Py_NewRef(Py_None),
+                         drafts ? drafts : Py_NewRef(Py_None));
+fail:
+    Py_DECREF(asks);
+    Py_XDECREF(drafts);
+    Py_XDECREF(message);
+    return NULL;
+}
+
+/* The replies table argument: a dict, or None (every text asked). */
+static int fx_replies(Phase *p, PyObject *replies) {
+    if (replies == Py_None) return 0;
+    if (!PyDict_CheckExact(replies)) {
+        PyErr_SetString(PyExc_TypeError, "xgrammar_forced: the replies table must be a dict");
+        return -1;
+    }
+    p->replies = replies;
+    return 0;
+}
+
 static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *matchers, *drafts, *content_ends, *objs[3];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &matchers, &drafts, &content_ends, &objs[0], &objs[1],
-                          &objs[2]))
+    PyObject *matchers, *drafts, *content_ends, *replies, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &matchers, &drafts, &content_ends, &objs[0], &objs[1],
+                          &objs[2], &replies))
         return NULL;
     Phase p;
     Array a[3] = {0};
@@ -499,6 +604,7 @@ static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
         if (ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
+    if (fx_replies(&p, replies) != 0) goto done;
     Py_ssize_t nd, ne;
     PyObject *const *rows = sequence_items(drafts, &nd);
     PyObject *const *ends = sequence_items(content_ends, &ne);
@@ -516,8 +622,7 @@ static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
         e->run = 1;
         e->state[FS_STATUS] = FS_DONE, e->state[FS_HELD] = 0, e->state[FS_MASK] = 0;
     }
-    fx_run(&p);
-    result = phase_result(&p);
+    if (fx_loop(&p) == 0) result = phase_result(&p);
 done:
     phase_clear(&p);
     for (int i = 0; i < 3; i++) array_release(&a[i]);
@@ -526,8 +631,9 @@ done:
 
 static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *matchers, *replies, *objs[3];
-    if (!PyArg_ParseTuple(args, "OOOOO", &matchers, &replies, &objs[0], &objs[1], &objs[2]))
+    PyObject *matchers, *replies, *table, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &matchers, &replies, &objs[0], &objs[1], &objs[2],
+                          &table))
         return NULL;
     Phase p;
     Array a[3] = {0};
@@ -537,6 +643,7 @@ static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
         if (ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
+    if (fx_replies(&p, table) != 0) goto done;
     Py_ssize_t nr;
     PyObject *const *items = sequence_items(replies, &nr);
     if (nr != p.count) {
@@ -553,28 +660,130 @@ static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
             }
             continue;
         }
-        int64_t keep;
-        Py_ssize_t size = PyTuple_CheckExact(items[c]) ? PyTuple_GET_SIZE(items[c]) : 0;
-        if (status == FS_DONE || (size != 2 && size != 4) ||
-            exact_int(PyTuple_GET_ITEM(items[c], 1), &keep) != 0 ||
-            keep < (status == FS_TEXT ? FS_NO_TEXT : 0)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError,
-                            "xgrammar_forced_step: a reply is (tokens, keep[, words, known]) to "
-                            "an ask");
-            goto done;
-        }
-        if (fx_tokens(PyTuple_GET_ITEM(items[c], 0), e, "xgrammar_forced_step") != 0) goto done;
-        if (size == 4 && fx_known_copy(e, PyTuple_GET_ITEM(items[c], 2),
-                                       PyTuple_GET_ITEM(items[c], 3)) != 0)
-            goto done;
-        e->keep = keep;
-        e->run = 2;
+        if (fx_reply(e, status, items[c], "xgrammar_forced_step") != 0) goto done;
     }
-    fx_run(&p);
-    result = phase_result(&p);
+    if (fx_loop(&p) == 0) result = phase_result(&p);
 done:
     phase_clear(&p);
     for (int i = 0; i < 3; i++) array_release(&a[i]);
     return result;
+}
+
+/* Row c of the drafts for xgrammar_forced_run: an exact list or tuple of exact ints, copied
+   (ids that do not fit int64 are -1: refused). 1, 0 when it is anything else (no error set),
+   -1 with an error set. */
+static int fx_tokens_exact(PyObject *obj, Forced *e) {
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(obj, &n);
+    if (n < 0) return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(items[i])) return 0;
+    return fx_tokens(obj, e, "xgrammar_forced_run") == 0 ? 1 : -1;
+}
+
+/* Enter every request's matcher in the held table under `token`: 1, or 0 when another build
+   holds one or one is listed twice (what this call entered is taken out again), or -1 with an
+   error set. No Python code runs between a test and its entry (the keys are exact ints). */
+static int fx_hold(Phase *p, PyObject *token) {
+    if (env_held == NULL) return 0;
+    Py_ssize_t c = 0;
+    int outcome = 1;
+    for (; c < p->count; c++) {
+        PyObject *key = PyLong_FromVoidPtr(p->entries[c].matcher);
+        if (key == NULL) {
+            outcome = -1;
+            break;
+        }
+        PyObject *holder = PyDict_GetItemWithError(env_held, key);
+        if (holder != NULL || PyErr_Occurred()) {
+            Py_DECREF(key);
+            outcome = PyErr_Occurred() ? -1 : 0;
+            break;
+        }
+        int bad = PyDict_SetItem(env_held, key, token);
+        Py_DECREF(key);
+        if (bad) {
+            outcome = -1;
+            break;
+        }
+    }
+    if (outcome == 1) return 1;
+    for (Py_ssize_t k = 0; k < c; k++) { /* what this call entered */
+        PyObject *key = PyLong_FromVoidPtr(p->entries[k].matcher);
+        if (key == NULL) break;
+        if (PyDict_GetItemWithError(env_held, key) == token) PyDict_DelItem(env_held, key);
+        Py_DECREF(key);
+    }
+    if (outcome == 0) PyErr_Clear();
+    return outcome;
+}
+
+/* forced_drafts' common case in one call: xgrammar matchers the library probed, drafts as
+   exact lists of exact ints, one limit for all (in the state rows). Declines (None, nothing
+   held or moved) for anything else, or when another build holds a matcher or one is listed
+   twice: the caller's checked path serves (and names what is wrong). Otherwise the matchers
+   stay held under `token` until xgrammar_forced_release. */
+static PyObject *xgrammar_forced_run(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *matchers, *drafts, *token, *replies, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &matchers, &drafts, &token, &objs[0], &objs[1],
+                          &objs[2], &replies))
+        return NULL;
+    Phase p;
+    Array a[3] = {0};
+    PyObject *result = NULL;
+    int ready = phase_init(&p, matchers, objs, a);
+    if (ready > 0 && fx_replies(&p, replies) != 0) ready = -1;
+    Py_ssize_t nd = -1;
+    PyObject *const *rows = ready > 0 ? sequence_items(drafts, &nd) : NULL;
+    if (ready > 0 && nd != p.count) ready = 0;
+    for (Py_ssize_t c = 0; ready > 0 && c < p.count; c++) {
+        Forced *e = &p.entries[c];
+        ready = fx_tokens_exact(rows[c], e);
+        e->keep = 0;
+        e->run = 1;
+    }
+    if (ready > 0) ready = fx_hold(&p, token);
+    if (ready <= 0) {
+        if (ready == 0) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    for (Py_ssize_t c = 0; c < p.count; c++) {
+        int64_t *s = p.entries[c].state;
+        s[FS_STATUS] = FS_DONE, s[FS_HELD] = 0, s[FS_MASK] = 0, s[FS_COUNT] = 0;
+    }
+    if (fx_loop(&p) == 0) result = phase_result(&p);
+done:
+    phase_clear(&p);
+    for (int i = 0; i < 3; i++) array_release(&a[i]);
+    return result;
+}
+
+/* Take out of the held table what xgrammar_forced_run entered under `token`. Never raises
+   for a matcher that is not held (any more). */
+static PyObject *xgrammar_forced_release(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *token, *matchers;
+    if (!PyArg_ParseTuple(args, "OO", &token, &matchers)) return NULL;
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(matchers, &n);
+    if (n < 0) {
+        PyErr_SetString(PyExc_TypeError, "xgrammar_forced_release: a list or tuple of matchers");
+        return NULL;
+    }
+    if (env_held == NULL) Py_RETURN_NONE;
+    Py_INCREF(matchers);
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *key = PyLong_FromVoidPtr(items[c]);
+        if (key == NULL) {
+            Py_DECREF(matchers);
+            return NULL;
+        }
+        PyObject *holder = PyDict_GetItemWithError(env_held, key);
+        if (holder == token && PyDict_DelItem(env_held, key) != 0) PyErr_Clear();
+        PyErr_Clear();
+        Py_DECREF(key);
+    }
+    Py_DECREF(matchers);
+    Py_RETURN_NONE;
 }

@@ -13,7 +13,7 @@ back before this returns, also when something raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,17 +24,52 @@ from portable_spec.engines.cursor import whole_characters
 from portable_spec.errors import MatcherError
 from portable_spec.grammars import MatcherInfo
 
-__all__ = ["MAX_TOKENS", "draft_xgrammar_batch"]
+__all__ = ["MAX_TOKENS", "draft_xgrammar_batch", "draft_xgrammar_common"]
 
 #: requests allowed more tokens than this take the per-request path (the phases write each
 #: request's drafts into one row of ``max_len`` slots)
 MAX_TOKENS = 4096
 _HELD, _COUNT, _LIMIT = 1, 2, 3  # columns of the phases' state (csrc/forced.c)
 _NO_TEXT, _ASK_MASK = -2, -1
+# the widest mask row (int32 words) of the matchers the phases walked: the common call's
+# scratch width (a wider matcher declines it once, and the checked call widens this)
+_width = [1]
 
 
 class _Declined(Exception):
     """The compiled helper stopped serving between phases (switched off meanwhile)."""
+
+
+def draft_xgrammar_common(
+    matchers: Sequence[Any], drafts: Sequence[Any], limit: int, segmenter: Segmenter
+) -> list[list[int]] | None:
+    """:func:`portable_spec.forced_drafts`' common call in compiled phases, its checks made
+    there too (:func:`portable_spec.native.forced_run`): every matcher an xgrammar matcher the
+    library probed, ``drafts`` exact lists (or tuples) of exact ints, one ``limit`` (1 to
+    :data:`MAX_TOKENS`) for all, no reasoning. Returns each request's drafts
+    (``forced._draft_xgrammar``'s), or ``None`` when anything else is asked for (nothing moved,
+    nothing held: the checked path serves and names what is wrong). Raises
+    :class:`MatcherError` when xgrammar or the tokenizer raised; every matcher is back then.
+    Holds the matchers (:mod:`portable_spec.pending`) for the call. Blocks for host work
+    only."""
+    count = len(matchers)
+    state = np.zeros((count, 8), dtype=np.int64)
+    state[:, _LIMIT] = limit
+    out = np.empty((count, limit), dtype=np.int64)
+    masks = np.zeros((count, _width[0]), dtype=np.int32)  # past a matcher's width: zero
+    token = object()
+    try:
+        done = native.forced_run(matchers, drafts, token, state, out, masks, segmenter.replies)
+        if done is None:
+            return None
+        return _finish(done, list(matchers), range(count), state, out, masks, segmenter)
+    except _Declined:
+        return None
+    finally:
+        try:
+            _roll_back(matchers, state)
+        finally:
+            native.forced_release(token, matchers)
 
 
 def draft_xgrammar_batch(
@@ -68,87 +103,103 @@ def draft_xgrammar_batch(
     count = len(matchers)
     cap = max(1, max(limits, default=0))
     words = max((info.words for info in infos), default=1)
+    if words > _width[0]:
+        _width[0] = words
     state = np.zeros((count, 8), dtype=np.int64)
     out = np.empty((count, cap), dtype=np.int64)  # read up to each request's count only
-    masks = np.empty((count, words), dtype=np.int32)  # read after a fill only
+    masks = np.zeros((count, words), dtype=np.int32)  # past a matcher's width: zero
     state[:, _LIMIT] = limits
     for c, start in enumerate(starts):
         if start:
             out[c, : len(start)] = start
             state[c, _COUNT] = len(start)
     matchers = list(matchers)
-    texts: list[str] = [""] * count
-    segments: list[Segment | None] = [None] * count
     try:
-        phase = _phase(native.forced_start, matchers, (rows, content_ends), state, out, masks)
-        while True:
-            asks, failed, message = phase
-            if failed >= 0:
-                raise MatcherError(indices[failed], RuntimeError(message))
-            replies: list[Any] | None = None
-            for c, ask in enumerate(asks):
-                if ask is None:
-                    continue
-                if replies is None:
-                    replies = [None] * count
-                try:
-                    replies[c] = _reply(c, ask, texts, segments, segmenter, masks, infos[c])
-                except BaseException as exc:
-                    raise MatcherError(indices[c], exc) from exc
-            if replies is None:
-                break
-            phase = _phase(native.forced_step, matchers, (replies,), state, out, masks)
-        counts = state[:, _COUNT].tolist()
-        drafted = out.tolist()
-        return [row[:n] for row, n in zip(drafted, counts, strict=True)]
+        done = native.forced_start(
+            matchers, rows, content_ends, state, out, masks, segmenter.replies
+        )
+        if done is None:
+            return None
+        return _finish(done, matchers, indices, state, out, masks, segmenter)
     except _Declined:
         return None
     finally:
-        for c in np.flatnonzero(state[:, _HELD]).tolist():
-            held = int(state[c, _HELD])
-            state[c, _HELD] = 0
-            matchers[c].rollback(held)
+        _roll_back(matchers, state)
 
 
-def _phase(
-    call: Callable[..., Any],
+def _roll_back(matchers: Sequence[Any], state: np.ndarray) -> None:
+    """Every matcher a phase left moved, back where it was."""
+    for c in np.flatnonzero(state[:, _HELD]).tolist():
+        held = int(state[c, _HELD])
+        state[c, _HELD] = 0
+        matchers[c].rollback(held)
+
+
+def _finish(
+    done: tuple[Any, ...],
     matchers: list[Any],
-    lists: tuple[list[Any], ...],
+    indices: Sequence[int],
     state: np.ndarray,
     out: np.ndarray,
     masks: np.ndarray,
-) -> tuple[list[Any], int, str | None]:
-    """One phase over every request, in one call (the GIL released inside); raises
-    :class:`_Declined` when the helper declines (nothing moved by this call)."""
-    done = call(matchers, *lists, state, out, masks)
-    if done is None:
-        raise _Declined
-    return done  # type: ignore[no-any-return]
+    segmenter: Segmenter,
+) -> list[list[int]]:
+    """The asks of the phases answered until every request is done; its drafts. Raises
+    :class:`_Declined` when the helper stops serving meanwhile."""
+    count = len(matchers)
+    asked: list[Any] = [None] * count  # the forced text each request was asked for last
+    while True:
+        asks, failed, message, drafted = done
+        if failed >= 0:
+            raise MatcherError(indices[failed], RuntimeError(message))
+        if asks is None:
+            return drafted  # type: ignore[no-any-return]
+        answers: list[Any] = [None] * count
+        for c, ask in enumerate(asks):
+            if ask is None:
+                continue
+            try:
+                answers[c] = _reply(c, ask, asked, segmenter, masks)
+            except BaseException as exc:
+                raise MatcherError(indices[c], exc) from exc
+        done = native.forced_step(matchers, answers, state, out, masks, segmenter.replies)
+        if done is None:
+            raise _Declined
 
 
 def _reply(
-    c: int,
-    ask: Any,
-    texts: list[str],
-    segments: list[Segment | None],
-    segmenter: Segmenter,
-    masks: np.ndarray,
-    info: MatcherInfo,
+    c: int, ask: Any, asked: list[Any], segmenter: Segmenter, masks: np.ndarray
 ) -> tuple[Any, ...]:
-    """The answer to request ``c``'s ask (see ``csrc/forced.c``)."""
-    if ask is True:  # the mask after the whole text: how many of its tokens are stable
-        segment = segments[c]
-        assert segment is not None
-        keep = segmenter.stable(texts[c], segment, lambda: masks[c, : info.words])
-        return segment.tokens, keep
-    text = ask if type(ask) is str else whole_characters(bytes(ask))
+    """The answer to request ``c``'s ask (see ``csrc/forced.c``); what it teaches about a
+    forced text goes into the segmenter's replies table too (the phases answer from it)."""
+    stable = type(ask) is tuple  # (text,): the mask after the whole text is in masks[c]
+    if stable:  # (None,): the text is the one this request was asked for last
+        ask = asked[c] if ask[0] is None else ask[0]
+    else:
+        asked[c] = ask
+    if type(ask) is str:
+        text, key = ask, ask.encode()
+    else:
+        key = bytes(ask)
+        text = whole_characters(key)
     if not text:
+        segmenter.remember(key, ((), _NO_TEXT))
         return (), _NO_TEXT
     segment = segmenter.segment(text)
-    texts[c], segments[c] = text, segment
-    # stable whatever follows when no character class merges with its end (known once the
-    # first stability check of this text ran); else the phase fills the mask, looks its words
-    # up among the counts known for this text, and asks when they are not there
+    if stable:  # how many of the text's tokens are stable
+        keep = segmenter.stable(text, segment, lambda: masks[c])
+        segmenter.remember(key, _text_reply(segment))
+        return segment.tokens, keep
+    reply = _text_reply(segment)
+    segmenter.remember(key, reply)
+    return reply
+
+
+def _text_reply(segment: Segment) -> tuple[Any, ...]:
+    """The answer to a forced text: its tokens and how many are stable whatever follows, when
+    no character class merges with its end (known once the first stability check of this text
+    ran); else the phase fills the mask, looks its words up among the counts known for this
+    text, and asks when they are not there."""
     if segment.merging == ():
         return segment.tokens, len(segment.tokens)
     if segment.merging is None:

@@ -33,7 +33,11 @@ import numpy as np
 
 from portable_spec import native
 from portable_spec.builder.reasoning import Reasoning, check_reasoning
-from portable_spec.drafting.batched import MAX_TOKENS, draft_xgrammar_batch
+from portable_spec.drafting.batched import (
+    MAX_TOKENS,
+    draft_xgrammar_batch,
+    draft_xgrammar_common,
+)
 from portable_spec.drafting.segment import Segmenter, segmenter_for
 from portable_spec.engines.cursor import Cursor, single_token, whole_characters
 from portable_spec.engines.generic import ProtocolCursor, generic_info
@@ -152,6 +156,22 @@ def forced_drafts(
     calls and tokens (:mod:`portable_spec.drafting.batched`). Hold the matchers for the call:
     do not move them from another thread meanwhile (another build over them is refused).
     """
+    if (
+        tokenizer is not None
+        and vocab_size is None
+        and reasoning is None
+        and type(max_len) is int
+        and 0 < max_len <= MAX_TOKENS
+        and type(matchers) in (list, tuple)
+        and len(matchers) >= _BATCH_FROM
+        and type(drafts) in (list, tuple)
+        and _SHORT_PATH
+        and _BATCHED
+        and native.forced_xgrammar()
+    ):  # the common call: checked, held and walked in compiled phases (None: anything else)
+        drafted = draft_xgrammar_common(matchers, drafts, max_len, segmenter_for(tokenizer))
+        if drafted is not None:
+            return drafted
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
     limits = _limits(max_len, batch)
