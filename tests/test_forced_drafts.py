@@ -625,20 +625,29 @@ def test_the_common_call_drafts_what_the_python_walk_drafts(tok, compiler, route
                 proposals.append(tuple(ahead) if b % 7 == 6 else ahead)
                 committed.append(ids[:at])
                 engines.append(engine)
-            limit = int(rng.integers(1, 13))
+            if rng.integers(2):
+                limit: int | list[int] = int(rng.integers(1, 13))
+                limits = [limit] * batch
+            else:  # one per request, some 0 (as engines pass them)
+                limit = limits = [int(x) for x in rng.integers(0, 13, size=batch)]
+            vocab = None if rng.integers(2) else VOCAB + 5
             before = [e.print(m) for e, m in zip(engines, matchers, strict=True)]
             monkeypatch.setattr(forced, "_BATCHED", False)
-            expected = ps.forced_drafts(matchers, proposals, limit, tokenizer=tok)  # probes
+            expected = ps.forced_drafts(  # (the matchers probed here)
+                matchers, proposals, limit, tokenizer=tok, vocab_size=vocab
+            )
             monkeypatch.setattr(forced, "_BATCHED", True)
             for tokenizer in (lambda text: tok.encode(text, add_special_tokens=False), tok):
                 del taken[:]
-                got = ps.forced_drafts(matchers, proposals, limit, tokenizer=tokenizer)
+                got = ps.forced_drafts(
+                    matchers, proposals, limit, tokenizer=tokenizer, vocab_size=vocab
+                )
                 assert taken == [True]  # the common call served it
                 assert got == expected
                 assert [e.print(m) for e, m in zip(engines, matchers, strict=True)] == before
                 assert _held_nothing()
             for b, drafted in enumerate(got):
-                assert len(drafted) <= limit
+                assert len(drafted) <= limits[b]
                 assert replay_ok(engines[b], committed[b], drafted, eos), (b, drafted)
 
 
@@ -652,16 +661,23 @@ def test_the_common_call_declines_what_it_does_not_check(tok, compiler, route):
     matchers = [engine.fresh() for _ in range(3)]
     assert ps.forced_drafts(matchers, [[], [], []], 4, tokenizer=tok)  # probed now
     before = [engine.print(m) for m in matchers]
+    empty = [[], [], []]
     bad = [
-        (TypeError, matchers, [[1], [True], []]),
-        (TypeError, matchers, [[1], [1.5], []]),
-        (TypeError, matchers, [[1], "ab", []]),
-        (ValueError, matchers, [[1], []]),
-        (ValueError, [matchers[0], matchers[1], matchers[0]], [[], [], []]),
+        (TypeError, matchers, [[1], [True], []], {}),
+        (TypeError, matchers, [[1], [1.5], []], {}),
+        (TypeError, matchers, [[1], "ab", []], {}),
+        (ValueError, matchers, [[1], []], {}),
+        (ValueError, [matchers[0], matchers[1], matchers[0]], empty, {}),
+        (ValueError, matchers, empty, {"max_len": [4, -1, 4]}),
+        (TypeError, matchers, empty, {"max_len": [4, 2.0, 4]}),
+        (ValueError, matchers, empty, {"max_len": [4, 4]}),
+        (ValueError, matchers, empty, {"vocab_size": VOCAB // 2}),  # narrower than a matcher
+        (ValueError, matchers, empty, {"vocab_size": 0}),
     ]
-    for error, ms, drafts in bad:
+    for error, ms, drafts, change in bad:
+        kwargs = {"max_len": 4, "tokenizer": tok, **change}
         with pytest.raises(error):
-            ps.forced_drafts(ms, drafts, 4, tokenizer=tok)
+            ps.forced_drafts(ms, drafts, **kwargs)
         assert [engine.print(m) for m in matchers] == before
         assert _held_nothing()
     token, held = pending.hold_matchers([matchers[1]])

@@ -41,22 +41,28 @@ class _Declined(Exception):
 
 
 def draft_xgrammar_common(
-    matchers: Sequence[Any], drafts: Sequence[Any], limit: int, segmenter: Segmenter
+    matchers: Sequence[Any],
+    drafts: Sequence[Any],
+    limits: int | list[int],
+    words: int,
+    segmenter: Segmenter,
 ) -> list[list[int]] | None:
     """:func:`portable_spec.forced_drafts`' common call in compiled phases, its checks made
     there too (:func:`portable_spec.native.forced_run`): every matcher an xgrammar matcher the
-    library probed, ``drafts`` exact lists (or tuples) of exact ints, one ``limit`` (1 to
-    :data:`MAX_TOKENS`) for all, no reasoning. Returns each request's drafts
-    (``forced._draft_xgrammar``'s), or ``None`` when anything else is asked for (nothing moved,
-    nothing held: the checked path serves and names what is wrong). Raises
-    :class:`MatcherError` when xgrammar or the tokenizer raised; every matcher is back then.
-    Holds the matchers (:mod:`portable_spec.pending`) for the call. Blocks for host work
+    library probed, at most ``words`` int32 words wide (0: the widest the phases walked so
+    far), ``drafts`` exact lists (or tuples) of exact ints, ``limits`` one int or one per
+    request (each from 0 to :data:`MAX_TOKENS`, checked by the caller), no reasoning. Returns
+    each request's drafts (``forced._draft_xgrammar``'s), or ``None`` when anything else is
+    asked for (nothing moved, nothing held: the checked path serves and names what is wrong).
+    Raises :class:`MatcherError` when xgrammar or the tokenizer raised; every matcher is back
+    then. Holds the matchers (:mod:`portable_spec.pending`) for the call. Blocks for host work
     only."""
     count = len(matchers)
+    cap = limits if type(limits) is int else max(limits)
     state = np.zeros((count, 8), dtype=np.int64)
-    state[:, _LIMIT] = limit
-    out = np.empty((count, limit), dtype=np.int64)
-    masks = np.zeros((count, _width[0]), dtype=np.int32)  # past a matcher's width: zero
+    state[:, _LIMIT] = limits
+    out = np.empty((count, cap), dtype=np.int64)
+    masks = np.zeros((count, words or _width[0]), dtype=np.int32)  # zero past a matcher's
     token = object()
     try:
         done = native.forced_run(matchers, drafts, token, state, out, masks, segmenter.replies)

@@ -61,6 +61,7 @@ from portable_spec.grammars import (
     classify_grammars,
     matcher_kind,
 )
+from portable_spec.masks import MAX_VOCAB_SIZE, words_for
 from portable_spec.pending import hold_matchers, release_matchers
 from portable_spec.tree import host_array
 
@@ -81,7 +82,7 @@ _SHORT_PATH = True
 # xgrammar requests on the short path walk in batched compiled phases when the compiled helper
 # can call xgrammar (drafting.batched); False: each takes _draft_xgrammar (the tests compare)
 _BATCHED = True
-_BATCH_FROM = 4  # requests; fewer take _draft_xgrammar (the tests set it to 1)
+_BATCH_FROM = 1  # requests; fewer take _draft_xgrammar (the compiled phases win from one on)
 #: the requests set aside for the compiled phases: indices, drafts, reasoning starts, whether
 #: the first draft ends a reasoning
 _Later = tuple[list[int], list[list[int]], list[list[int]], list[bool]]
@@ -158,10 +159,7 @@ def forced_drafts(
     """
     if (
         tokenizer is not None
-        and vocab_size is None
         and reasoning is None
-        and type(max_len) is int
-        and 0 < max_len <= MAX_TOKENS
         and type(matchers) in (list, tuple)
         and len(matchers) >= _BATCH_FROM
         and type(drafts) in (list, tuple)
@@ -169,9 +167,13 @@ def forced_drafts(
         and _BATCHED
         and native.forced_xgrammar()
     ):  # the common call: checked, held and walked in compiled phases (None: anything else)
-        drafted = draft_xgrammar_common(matchers, drafts, max_len, segmenter_for(tokenizer))
-        if drafted is not None:
-            return drafted
+        common = _common_limits(max_len, len(matchers))
+        words = _common_words(vocab_size)
+        if common is not None and words is not None:
+            segmenter = segmenter_for(tokenizer)
+            drafted = draft_xgrammar_common(matchers, drafts, common, words, segmenter)
+            if drafted is not None:
+                return drafted
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
     limits = _limits(max_len, batch)
@@ -425,6 +427,33 @@ def _limits(max_len: Any, batch: int) -> list[int]:
     if len(max_len) != batch:
         raise ValueError(f"max_len has {len(max_len)} entries for {batch} matchers")
     return [one(v, f"max_len[{b}]") for b, v in enumerate(max_len)]
+
+
+def _common_limits(max_len: Any, batch: int) -> int | list[int] | None:
+    """``max_len`` when the common compiled call takes it (an int, or a list of ints, each
+    from 0 to ``MAX_TOKENS``, not all 0), else None (the checked path takes it)."""
+    if type(max_len) is int:
+        return max_len if 0 < max_len <= MAX_TOKENS else None
+    if (
+        type(max_len) is list
+        and len(max_len) == batch
+        and set(map(type, max_len)) <= _INTS
+        and min(max_len, default=0) >= 0
+        and 0 < max(max_len, default=0) <= MAX_TOKENS
+    ):
+        return max_len
+    return None
+
+
+def _common_words(vocab_size: Any) -> int | None:
+    """The mask row width (int32 words) the common compiled call walks with: the model's for
+    a plain ``vocab_size`` (a matcher wider than it declines the call: the checked path names
+    it), 0 without one (the widest matcher seen so far), else None."""
+    if vocab_size is None:
+        return 0
+    if type(vocab_size) is int and 0 < vocab_size <= MAX_VOCAB_SIZE:
+        return words_for(vocab_size)
+    return None
 
 
 def _own_facts(matchers: Sequence[Any]) -> tuple[list[int], list[MatcherInfo | None]]:
