@@ -539,7 +539,7 @@ def forced_start(
     state: np.ndarray,
     out: np.ndarray,
     rows: np.ndarray,
-    replies: dict[bytes, tuple[Any, ...]] | None = None,
+    replies: dict[bytes, bytes] | None = None,
 ) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
     """The first phases of :func:`portable_spec.forced_drafts`' walk of xgrammar matchers
     (``portable_spec/csrc/forced.c`` says the protocol), the GIL released.
@@ -553,8 +553,10 @@ def forced_start(
         out: int64 ``[count, cap]``: each request's drafts (``cap`` >= its most tokens).
         rows: int32 ``[count, words]``: the masks the stability check asks for.
         replies: forced text (its UTF-8 bytes as xgrammar gives them) -> the answer
-            :func:`forced_step` would be given to it; texts found there are answered without
-            returning (the phases go on), the others asked. Read with the GIL, copied.
+            :func:`forced_step` would be given to it, packed as int64 ``[keep, len(tokens),
+            len(words), entries, *tokens, *words, *known]`` bytes; texts found there are
+            answered without returning (the phases go on), the others asked. Read with the
+            GIL, copied.
 
     Returns:
         ``(asks, failed, message, drafts)``: ``asks`` None when no request asks anything,
@@ -581,7 +583,7 @@ def forced_step(
     state: np.ndarray,
     out: np.ndarray,
     rows: np.ndarray,
-    replies: dict[bytes, tuple[Any, ...]] | None = None,
+    replies: dict[bytes, bytes] | None = None,
 ) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
     """The next phases after :func:`forced_start` (or :func:`forced_run`): ``answers`` one
     per matcher, None where it asked nothing, else a tuple ``(tokens, keep)``: to a text, its
@@ -607,7 +609,7 @@ def forced_run(
     state: np.ndarray,
     out: np.ndarray,
     rows: np.ndarray,
-    replies: dict[bytes, tuple[Any, ...]] | None,
+    replies: dict[bytes, bytes] | None,
 ) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
     """:func:`forced_start` for :func:`portable_spec.forced_drafts`' common call, its checks
     made in C too: every matcher an xgrammar matcher the library probed (at most ``rows``'

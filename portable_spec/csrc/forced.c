@@ -118,7 +118,7 @@ typedef struct {
     Py_ssize_t nwords, nknown;
     const int64_t *stops; /* into the phase's copies */
     Py_ssize_t nstops;
-    int64_t vocab, words;
+    int64_t vocab, words, rowlen; /* rowlen: the rows' width (>= words; zero past words) */
     int64_t *state, *out; /* the caller's rows of them */
     int32_t *row;
     char *text;           /* an asked forced text (malloc'd) */
@@ -163,6 +163,8 @@ static int fx_done(Forced *e, char **error) {
 static int fx_fill(Forced *e, char **error) {
     if (e->state[FS_MASK]) return 0;
     if (ffi_fill(&e->arg, e->row, e->words, error) != 0) return -1;
+    if (e->rowlen > e->words) /* a row wider than the matcher's: zero past it */
+        memset(e->row + e->words, 0, sizeof(int32_t) * (size_t)(e->rowlen - e->words));
     e->state[FS_MASK] = 1;
     return 0;
 }
@@ -387,7 +389,7 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
         if (!matcher_facts(items[c], &f) || f.words > p->words) return 0;
         if (ffi_matcher(f.handle, &e->arg) != 0) return -1;
         e->matcher = Py_NewRef(items[c]);
-        e->vocab = f.vocab, e->words = f.words;
+        e->vocab = f.vocab, e->words = f.words, e->rowlen = p->words;
         e->state = state + c * FS_FIELDS, e->out = out + c * p->cap, e->row = rows + c * p->words;
         if (e->state[FS_LIMIT] < 0 || e->state[FS_LIMIT] > p->cap || e->state[FS_COUNT] < 0 ||
             e->state[FS_COUNT] > e->state[FS_LIMIT] || e->state[FS_HELD] < 0) {
@@ -473,6 +475,37 @@ static int fx_reply(Forced *e, int64_t status, PyObject *item, const char *name)
     return 0;
 }
 
+/* A text's answer from the replies table: int64 words [keep, ntokens, nwords, nentries,
+   tokens..., words..., entries...] (each entry the values of the words, then its count),
+   copied. 0, or -1 with an error set. */
+static int fx_reply_packed(Forced *e, PyObject *packed) {
+    Py_ssize_t size = PyBytes_GET_SIZE(packed) / (Py_ssize_t)sizeof(int64_t);
+    int64_t head[4];
+    int ok = PyBytes_GET_SIZE(packed) % (Py_ssize_t)sizeof(int64_t) == 0 && size >= 4;
+    if (ok) memcpy(head, PyBytes_AS_STRING(packed), sizeof(head));
+    ok = ok && head[0] >= FS_NO_TEXT && head[1] >= 0 && head[2] >= 0 && head[3] >= 0 &&
+         head[1] <= size && head[2] <= size && head[3] <= size &&
+         4 + head[1] + head[2] + head[3] * (head[2] + 1) == size;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "forced text replies: a malformed entry");
+        return -1;
+    }
+    PyMem_Free(e->tokens);
+    PyMem_Free(e->known);
+    e->known = NULL, e->nwords = 0, e->nknown = 0, e->ntokens = 0;
+    const int64_t *v = (const int64_t *)PyBytes_AS_STRING(packed) + 4;
+    if ((e->tokens = copy_int64(v, (Py_ssize_t)head[1])) == NULL) return -1;
+    e->ntokens = (Py_ssize_t)head[1];
+    Py_ssize_t rest = size - 4 - e->ntokens;
+    if (rest > 0) {
+        if ((e->known = copy_int64(v + e->ntokens, rest)) == NULL) return -1;
+        e->nwords = (Py_ssize_t)head[2], e->nknown = (Py_ssize_t)head[3];
+    }
+    e->keep = head[0];
+    e->run = 2;
+    return 0;
+}
+
 /* After a phase, with the GIL: every request that asked for a forced text the replies table
    answers gets that answer and runs again; the others stop (asked, or done). The count that
    run again, or -1 with an error set. */
@@ -490,8 +523,12 @@ static Py_ssize_t fx_resolve(Phase *p) {
             if (PyErr_Occurred()) return -1;
             continue;
         }
+        if (!PyBytes_CheckExact(reply)) {
+            PyErr_SetString(PyExc_ValueError, "forced text replies: an entry is not bytes");
+            return -1;
+        }
         Py_INCREF(reply);
-        int bad = fx_reply(e, FS_TEXT, reply, "forced text replies");
+        int bad = fx_reply_packed(e, reply);
         Py_DECREF(reply);
         if (bad) return -1;
         again++; /* the text stays: a stability ask names it */

@@ -62,18 +62,21 @@ def draft_xgrammar_common(
     state = np.zeros((count, 8), dtype=np.int64)
     state[:, _LIMIT] = limits
     out = np.empty((count, cap), dtype=np.int64)
-    masks = np.zeros((count, words or _width[0]), dtype=np.int32)  # zero past a matcher's
+    masks = np.empty((count, words or _width[0]), dtype=np.int32)  # read after a fill only
     token = object()
+    drafted = None
     try:
         done = native.forced_run(matchers, drafts, token, state, out, masks, segmenter.replies)
         if done is None:
             return None
-        return _finish(done, list(matchers), range(count), state, out, masks, segmenter)
+        drafted = _finish(done, list(matchers), range(count), state, out, masks, segmenter)
+        return drafted
     except _Declined:
         return None
     finally:
         try:
-            _roll_back(matchers, state)
+            if drafted is None:  # (done: nothing left moved)
+                _roll_back(matchers, state)
         finally:
             native.forced_release(token, matchers)
 
@@ -113,7 +116,7 @@ def draft_xgrammar_batch(
         _width[0] = words
     state = np.zeros((count, 8), dtype=np.int64)
     out = np.empty((count, cap), dtype=np.int64)  # read up to each request's count only
-    masks = np.zeros((count, words), dtype=np.int32)  # past a matcher's width: zero
+    masks = np.empty((count, words), dtype=np.int32)  # read after a fill only
     state[:, _LIMIT] = limits
     for c, start in enumerate(starts):
         if start:
@@ -189,16 +192,27 @@ def _reply(
         key = bytes(ask)
         text = whole_characters(key)
     if not text:
-        segmenter.remember(key, ((), _NO_TEXT))
+        segmenter.remember(key, _packed(((), _NO_TEXT)))
         return (), _NO_TEXT
     segment = segmenter.segment(text)
     if stable:  # how many of the text's tokens are stable
         keep = segmenter.stable(text, segment, lambda: masks[c])
-        segmenter.remember(key, _text_reply(segment))
+        segmenter.remember(key, _packed(_text_reply(segment)))
         return segment.tokens, keep
     reply = _text_reply(segment)
-    segmenter.remember(key, reply)
+    segmenter.remember(key, _packed(reply))
     return reply
+
+
+def _packed(reply: tuple[Any, ...]) -> bytes:
+    """A text's answer as the replies table keeps it (``csrc/forced.c``'s fx_reply_packed):
+    int64 ``[keep, tokens, words, entries, *tokens, *words, *known]``, one block the phases
+    copy with one look-up."""
+    tokens, keep = reply[0], reply[1]
+    words, known = (reply[2], reply[3]) if len(reply) == 4 else ((), ())
+    entries = len(known) // (len(words) + 1)
+    head = [keep, len(tokens), len(words), entries]
+    return np.array([*head, *tokens, *words, *known], dtype=np.int64).tobytes()
 
 
 def _text_reply(segment: Segment) -> tuple[Any, ...]:

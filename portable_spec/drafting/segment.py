@@ -115,8 +115,8 @@ class Segmenter:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Segment] = OrderedDict()
         #: forced text (UTF-8 bytes, as the engine gives it) -> the answer the compiled
-        #: phases take for it (``drafting.batched``), read by them with the GIL held
-        self.replies: dict[bytes, tuple[Any, ...]] = {}
+        #: phases take for it, packed (``drafting.batched``), read by them with the GIL held
+        self.replies: dict[bytes, bytes] = {}
         anchor = self._ids(_ANCHOR)
         plain = self._ids("a")
         behind = self._ids(_ANCHOR + "a")
@@ -185,7 +185,7 @@ class Segmenter:
                 self._cache.popitem(last=False)
         return segment
 
-    def remember(self, key: bytes, reply: tuple[Any, ...]) -> None:
+    def remember(self, key: bytes, reply: bytes) -> None:
         """Keep ``reply`` as the answer to the forced text ``key`` (bounded: the oldest
         entries leave first)."""
         with self._lock:
