@@ -1,11 +1,15 @@
-/* xgrammar_forced_start, xgrammar_forced_step: forced_drafts' walk of a batch of xgrammar
-   matchers (portable_spec/drafting/forced.py), their methods called through tvm-ffi's C ABI
-   with the GIL released, in phases that stop only where the tokenizer is needed.
+/* xgrammar_forced_start, xgrammar_forced_step, xgrammar_forced_run: forced_drafts' walk of a
+   batch of xgrammar matchers (portable_spec/drafting/forced.py), their methods called through
+   tvm-ffi's C ABI with the GIL released, in phases that stop only where the tokenizer is
+   needed and its answer is not known yet.
 
    Per request, the walk of forced.py's _draft_xgrammar: the longest accepted prefix of the
-   proposed drafts, then rounds of the grammar's forced text (its tokens given back by the
-   caller), the stability check's mask, and the single token of a state that allows only
-   one. A phase runs every listed request until it asks the caller something or ends:
+   proposed drafts, then rounds of the grammar's forced text (its tokens), the stability
+   check's mask, and the single token of a state that allows only one. A phase runs every
+   listed request until it needs a forced text's tokens or ends. Between phases, with the
+   GIL, each text is looked up in the replies table (the tokenizer's answers so far, keyed by
+   the text's bytes, see fx_reply_packed); the requests it answers run another phase. Only
+   what the table does not answer returns to the caller:
 
      asks[c] is a str (or bytes that are not whole UTF-8 characters): the forced text, whose
              tokens the caller gives in the next step as (tokens, keep[, words, known]), keep
@@ -14,14 +18,17 @@
              with -1, `words` (mask word indices) and `known` (flat: per entry the values of
              those words, then the stable count) answer without asking where the mask's words
              match an entry;
-     asks[c] is True: the mask after the whole text is in rows[c]; the caller gives back
-             (tokens, keep), keep how many of the text's tokens are stable;
+     asks[c] is (text,): the mask after the whole text is in rows[c] (zero past the
+             matcher's own width); the caller gives back (tokens, keep), keep how many of the
+             text's tokens are stable; text None: the one asked last for this request;
      asks[c] is None: the request is done, its matcher rolled back, out[c, :count] its drafts.
 
-   The state lives in the caller's int64 [count, FS_FIELDS] array (private to one
-   forced_drafts call: no other code sees it); a request that is not done holds its matcher
-   moved by state[c, FS_HELD] tokens, which the caller rolls back if it gives up. Matchers are
-   held by a reference for each call; what is read without the GIL is a private copy. */
+   When nothing is asked the result carries every request's drafts as lists. The state lives
+   in the caller's int64 [count, FS_FIELDS] array (private to one forced_drafts call: no other
+   code sees it); a request that is not done holds its matcher moved by state[c, FS_HELD]
+   tokens, which the caller rolls back if it gives up. Matchers are held by a reference for
+   each call (and, by xgrammar_forced_run, in the held table until xgrammar_forced_release);
+   what is read without the GIL is a private copy. */
 
 enum { FS_DONE = 0, FS_TEXT = 1, FS_STABLE = 2 };
 enum { FS_STATUS, FS_HELD, FS_COUNT, FS_LIMIT, FS_MASK, FS_FIELDS = 8 };

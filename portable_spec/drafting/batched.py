@@ -1,11 +1,15 @@
-""":func:`portable_spec.forced_drafts` for a batch of xgrammar matchers in a few compiled
-phases (:func:`portable_spec.native.forced_start`, :func:`portable_spec.native.forced_step`).
+""":func:`portable_spec.forced_drafts` for a batch of xgrammar matchers in compiled phases
+(:func:`portable_spec.native.forced_run` for the common call, checked in C too;
+:func:`portable_spec.native.forced_start` otherwise; :func:`portable_spec.native.forced_step`
+after an ask).
 
-Each phase walks every request that is not done, the GIL released, until the request asks for
-what only the tokenizer knows: a forced text to segment, or how many of a text's tokens are
-stable given the mask after it. The answers (cached per text by the
-:class:`~portable_spec.drafting.segment.Segmenter`) go to the next phase. So a batch costs a
-few compiled calls and one dictionary lookup per forced text, instead of a Python loop of
+Each phase walks every request that is not done, the GIL released, until the request needs
+what only the tokenizer knows: a forced text's tokens, or how many of them are stable given
+the mask after it. Between phases the compiled call looks each text up in the
+:class:`~portable_spec.drafting.segment.Segmenter`'s replies table (what the tokenizer
+answered for it before, packed) and walks on; only texts the table does not answer (new ones,
+or a mask not seen with that text) come back here, and their answers go into the table. So a
+batch whose forced texts were seen before costs one compiled call, instead of a Python loop of
 xgrammar calls per request; the tokens are those of ``forced._draft_xgrammar``, call for
 call. A request that is not done between phases holds its matcher moved; every one is rolled
 back before this returns, also when something raises.

@@ -152,9 +152,10 @@ def forced_drafts(
     draft and forced token (then one rollback; llguidance and forking protocol matchers walk a
     fork instead), the engine's forced text, the tokenizer on forced texts not seen before
     (cached per text), and one mask fill where a forced text ends next to characters that
-    would merge with it or where the grammar may end. With the compiled helper, four or more
-    xgrammar requests are walked together in compiled phases (the GIL released), the same
-    calls and tokens (:mod:`portable_spec.drafting.batched`). Hold the matchers for the call:
+    would merge with it or where the grammar may end. With the compiled helper, xgrammar
+    requests are walked together in compiled phases (the GIL released), the same calls and
+    tokens (:mod:`portable_spec.drafting.batched`); a call of probed xgrammar matchers, lists
+    of int drafts, int limits and no reasoning is checked and walked in one compiled call. Hold the matchers for the call:
     do not move them from another thread meanwhile (another build over them is refused).
     """
     if (
@@ -289,8 +290,8 @@ def _draft_later(
     rows_of: dict[int, np.ndarray],
 ) -> None:
     """The xgrammar requests set aside for the compiled phases, into ``out``: walked in the
-    phases from :data:`_BATCH_FROM` requests on (below, the phases' fixed cost is more than
-    the per-request walk's), on the per-request path otherwise or where the helper declines."""
+    phases from :data:`_BATCH_FROM` requests on, on the per-request path otherwise or where
+    the helper declines."""
     index, rows, starts, content_ends = later
     drafted = None
     if len(index) >= _BATCH_FROM:
