@@ -155,8 +155,9 @@ def forced_drafts(
     would merge with it or where the grammar may end. With the compiled helper, xgrammar
     requests are walked together in compiled phases (the GIL released), the same calls and
     tokens (:mod:`portable_spec.drafting.batched`); a call of probed xgrammar matchers, lists
-    of int drafts, int limits and no reasoning is checked and walked in one compiled call. Hold the matchers for the call:
-    do not move them from another thread meanwhile (another build over them is refused).
+    of int drafts, int limits and no reasoning is checked and walked in one compiled call.
+    Hold the matchers for the call: do not move them from another thread meanwhile (another
+    build over them is refused).
     """
     if (
         tokenizer is not None
