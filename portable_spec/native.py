@@ -605,26 +605,30 @@ def forced_step(
 def forced_run(
     matchers: list[Any] | tuple[Any, ...],
     drafts: list[Any] | tuple[Any, ...],
+    limits: int | list[int],
     token: object,
-    state: np.ndarray,
-    out: np.ndarray,
-    rows: np.ndarray,
+    block: np.ndarray,
+    cap: int,
+    words: int,
     replies: dict[bytes, bytes] | None,
 ) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
     """:func:`forced_start` for :func:`portable_spec.forced_drafts`' common call, its checks
-    made in C too: every matcher an xgrammar matcher the library probed (at most ``rows``'
-    width), ``drafts`` one exact list or tuple of exact ints per matcher, one limit for all
-    (``state``'s column 3), no reasoning. The matchers are entered in the held table
-    (:mod:`portable_spec.pending`) under ``token`` and stay there until
-    :func:`forced_release`, whatever this returns. Returns what :func:`forced_start` returns,
-    or ``None`` (nothing held, nothing moved) for anything else, a matcher another build
-    holds or one listed twice: the caller's checked path then serves, and names what is
+    made in C too: every matcher an xgrammar matcher the library probed (at most ``words``
+    int32 words wide), ``drafts`` one exact list or tuple of exact ints per matcher,
+    ``limits`` an int for all or a list of ints, each from 0 to ``cap``, no reasoning. Its
+    arrays are carved out of ``block`` (a 1-D int64 array of at least ``count * (8 + cap) +
+    ceil(count * words / 2)``): the state ``[count, 8]``, the drafts ``[count, cap]``, then
+    the rows (int32 ``[count, words]``), as :func:`forced_step` takes them. The matchers are
+    entered in the held table (:mod:`portable_spec.pending`) under ``token`` and stay there
+    until :func:`forced_release`, whatever this returns. Returns what :func:`forced_start`
+    returns, or ``None`` (nothing held, nothing moved) for anything else, a matcher another
+    build holds or one listed twice: the caller's checked path then serves, and names what is
     wrong."""
     helper = native
     if not forced_xgrammar() or helper is None:
         return None
     return helper.xgrammar_forced_run(  # type: ignore[no-any-return]
-        matchers, drafts, token, state, out, rows, replies
+        matchers, drafts, limits, token, block, cap, words, replies
     )
 
 

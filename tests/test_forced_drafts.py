@@ -690,3 +690,39 @@ def test_the_common_call_declines_what_it_does_not_check(tok, compiler, route):
         pending.release_matchers(token, held)
     assert ps.forced_drafts(matchers, [[], [], []], 4, tokenizer=tok)[0]
     assert _held_nothing()
+
+
+def test_an_error_inside_the_common_call_leaves_nothing_moved(tok, compiler, route):
+    """An error raised inside the common compiled call after its phases moved the matchers (a
+    malformed entry in the replies table, read between phases): every matcher is back in its
+    state, nothing stays held, and the next call drafts as usual."""
+    from portable_spec.drafting.segment import segmenter_for
+
+    if route == "python":
+        pytest.skip("the compiled call's own error path")
+    engine = Engine("xgrammar", compiler, None, T.TOOL_CALL_SCHEMA, False)
+    ids = output_tokens(tok, TOOL_CALL)
+    matchers = [engine.fresh() for _ in range(3)]
+    assert matchers[2].accept_token(ids[0])
+    drafts = [ids[:1], [], ids[1:2]]  # requests 0 and 2 moved before the poisoned text
+    assert ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)[0]  # probed, cached
+    ahead = engine.fresh()
+    assert ahead.accept_token(ids[0])
+    text = ahead.find_jump_forward_string()
+    assert text
+    replies = segmenter_for(tok).replies
+    before = [engine.print(m) for m in matchers]
+    kept = replies.get(text.encode())
+    replies[text.encode()] = b"\x01" * 12  # not whole int64 words
+    try:
+        with pytest.raises((ValueError, ps.MatcherError)):
+            ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)
+    finally:
+        if kept is None:
+            replies.pop(text.encode(), None)
+        else:
+            replies[text.encode()] = kept
+    assert [engine.print(m) for m in matchers] == before
+    assert _held_nothing()
+    got = ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)
+    assert all(replay_ok(engine, ids[:1] if b == 2 else [], d, 2) for b, d in enumerate(got))

@@ -363,6 +363,9 @@ static int fx_tokens(PyObject *obj, Forced *e, const char *name) {
 /* The phase's common arguments: the matchers (each known to the facts table), the state,
    output and mask arrays held in a[0..2]. 1 ready, 0 declined (a matcher the helper cannot
    call: nothing moved, no error set), -1 with an error set. */
+static int phase_entries(Phase *p, PyObject *const *items, Py_ssize_t n, int64_t *state,
+                         int64_t *out, int32_t *rows, PyObject *limits);
+
 static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3]) {
     memset(p, 0, sizeof(*p));
     p->failed = -1;
@@ -380,6 +383,51 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
         return -1;
     }
     p->count = n, p->cap = a[1].view.shape[1], p->words = a[2].view.shape[1];
+    return phase_entries(p, items, n, a[0].view.buf, a[1].view.buf, a[2].view.buf, NULL);
+}
+
+/* xgrammar_forced_run's arrays: one writable 1-D int64 block holding, in order, the state
+   [n, FS_FIELDS], out [n, cap] and the rows (int32 [n, words], padded to whole int64), and
+   the limits (an exact int, or a list or tuple of them, one per request) written into a
+   zeroed state. 1 ready, 0 declined (no error set), -1 with an error set. */
+static int phase_block(Phase *p, PyObject *matchers, PyObject *block, Py_ssize_t cap,
+                       Py_ssize_t words, PyObject *limits, Array *a) {
+    memset(p, 0, sizeof(*p));
+    p->failed = -1;
+    if (!ffi_forced_bound()) return 0;
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(matchers, &n);
+    if (n < 0 || cap < 1 || words < 1) return 0;
+    if (array_get(block, a, 1, 'i', 8, 1, "block") != 0) return -1;
+    Py_ssize_t need = n * (FS_FIELDS + cap) + (n * words + 1) / 2;
+    if (a->view.shape[0] < need) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_forced_run: the block is too small");
+        return -1;
+    }
+    p->count = n, p->cap = cap, p->words = words;
+    int64_t *state = a->view.buf, *out = state + n * FS_FIELDS;
+    int32_t *rows = (int32_t *)(out + n * cap);
+    memset(state, 0, sizeof(int64_t) * (size_t)(n * FS_FIELDS));
+    return phase_entries(p, items, n, state, out, rows, limits);
+}
+
+/* Request c's limit from `limits` (an exact int for all, or one per request) into *v: 1, or
+   0 when it is not an exact int from 0 to cap. */
+static int fx_limit(PyObject *limits, Py_ssize_t c, Py_ssize_t n, Py_ssize_t cap, int64_t *v) {
+    PyObject *item = limits;
+    if (!PyLong_CheckExact(limits)) {
+        Py_ssize_t k;
+        PyObject *const *each = sequence_items(limits, &k);
+        if (k != n) return 0;
+        item = each[c];
+    }
+    return exact_int(item, v) == 0 && *v >= 0 && *v <= cap;
+}
+
+/* Every request's entry: its matcher (known to the facts table), its rows of the arrays, its
+   stop tokens; with `limits`, its limit written into its (zeroed) state row first. */
+static int phase_entries(Phase *p, PyObject *const *items, Py_ssize_t n, int64_t *state,
+                         int64_t *out, int32_t *rows, PyObject *limits) {
     size_t slots = (size_t)(n > 0 ? n : 1);
     p->entries = PyMem_Calloc(slots, sizeof(Forced));
     if (p->entries == NULL) {
@@ -388,8 +436,6 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
     }
     PyObject *last_stops = NULL;
     Py_ssize_t stop_at = 0, stop_count = 0, stop_room = 0;
-    int64_t *state = a[0].view.buf, *out = a[1].view.buf;
-    int32_t *rows = a[2].view.buf;
     for (Py_ssize_t c = 0; c < n; c++) {
         Forced *e = &p->entries[c];
         Facts f;
@@ -398,6 +444,7 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
         e->matcher = Py_NewRef(items[c]);
         e->vocab = f.vocab, e->words = f.words, e->rowlen = p->words;
         e->state = state + c * FS_FIELDS, e->out = out + c * p->cap, e->row = rows + c * p->words;
+        if (limits != NULL && !fx_limit(limits, c, n, p->cap, &e->state[FS_LIMIT])) return 0;
         if (e->state[FS_LIMIT] < 0 || e->state[FS_LIMIT] > p->cap || e->state[FS_COUNT] < 0 ||
             e->state[FS_COUNT] > e->state[FS_LIMIT] || e->state[FS_HELD] < 0) {
             PyErr_SetString(PyExc_ValueError, "xgrammar_forced: a state row out of range");
@@ -767,16 +814,19 @@ static int fx_hold(Phase *p, PyObject *token) {
    held or moved) for anything else, or when another build holds a matcher or one is listed
    twice: the caller's checked path serves (and names what is wrong). Otherwise the matchers
    stay held under `token` until xgrammar_forced_release. */
+static void fx_roll_back_all(Phase *p);
+
 static PyObject *xgrammar_forced_run(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *matchers, *drafts, *token, *replies, *objs[3];
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &matchers, &drafts, &token, &objs[0], &objs[1],
-                          &objs[2], &replies))
+    PyObject *matchers, *drafts, *limits, *token, *block, *replies;
+    Py_ssize_t cap, words;
+    if (!PyArg_ParseTuple(args, "OOOOOnnO", &matchers, &drafts, &limits, &token, &block, &cap,
+                          &words, &replies))
         return NULL;
     Phase p;
-    Array a[3] = {0};
+    Array a = {0};
     PyObject *result = NULL;
-    int ready = phase_init(&p, matchers, objs, a);
+    int ready = phase_block(&p, matchers, block, cap, words, limits, &a);
     if (ready > 0 && fx_replies(&p, replies) != 0) ready = -1;
     Py_ssize_t nd = -1;
     PyObject *const *rows = ready > 0 ? sequence_items(drafts, &nd) : NULL;
@@ -792,15 +842,25 @@ static PyObject *xgrammar_forced_run(PyObject *self, PyObject *args) {
         if (ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
-    for (Py_ssize_t c = 0; c < p.count; c++) {
-        int64_t *s = p.entries[c].state;
-        s[FS_STATUS] = FS_DONE, s[FS_HELD] = 0, s[FS_MASK] = 0, s[FS_COUNT] = 0;
-    }
     if (fx_loop(&p) == 0) result = phase_result(&p);
+    if (result == NULL) fx_roll_back_all(&p); /* raising: nothing left moved */
 done:
     phase_clear(&p);
-    for (int i = 0; i < 3; i++) array_release(&a[i]);
+    array_release(&a);
     return result;
+}
+
+/* Every request's matcher back where it was (an error is being raised: xgrammar's own
+   errors here are dropped). */
+static void fx_roll_back_all(Phase *p) {
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        char *ignored = NULL;
+        if (e->state != NULL && e->state[FS_HELD] > 0 &&
+            ffi_rollback(&e->arg, e->state[FS_HELD], &ignored) == 0)
+            e->state[FS_HELD] = 0;
+        free(ignored);
+    }
 }
 
 /* Take out of the held table what xgrammar_forced_run entered under `token`. Never raises

@@ -93,8 +93,8 @@ static PyMethodDef methods[] = {
      "xgrammar_forced_step(matchers, answers, state, out, rows, replies) -> (asks, failed, "
      "message, drafts) or None (GIL released)."},
     {"xgrammar_forced_run", xgrammar_forced_run, METH_VARARGS,
-     "xgrammar_forced_run(matchers, drafts, token, state, out, rows, replies) -> (asks, failed, "
-     "message, drafts) or None; the matchers held under token (GIL released)."},
+     "xgrammar_forced_run(matchers, drafts, limits, token, block, cap, words, replies) -> "
+     "(asks, failed, message, drafts) or None; the matchers held under token (GIL released)."},
     {"xgrammar_forced_release", xgrammar_forced_release, METH_VARARGS,
      "xgrammar_forced_release(token, matchers): what xgrammar_forced_run held."},
     {"xgrammar_grow", xgrammar_grow, METH_VARARGS,

@@ -62,27 +62,41 @@ def draft_xgrammar_common(
     then. Holds the matchers (:mod:`portable_spec.pending`) for the call. Blocks for host work
     only."""
     count = len(matchers)
-    cap = limits if type(limits) is int else max(limits)
-    state = np.zeros((count, 8), dtype=np.int64)
-    state[:, _LIMIT] = limits
-    out = np.empty((count, cap), dtype=np.int64)
-    masks = np.empty((count, words or _width[0]), dtype=np.int32)  # read after a fill only
+    cap = max(1, limits if type(limits) is int else max(limits))
+    width = words or _width[0]
+    sizes = (count * 8, count * cap, (count * width + 1) // 2)
+    block = np.empty(sum(sizes), dtype=np.int64)  # state, drafts, mask rows (csrc/forced.c)
     token = object()
-    drafted = None
+    arrays: tuple[np.ndarray, ...] = ()  # carved when the phases stop short
     try:
-        done = native.forced_run(matchers, drafts, token, state, out, masks, segmenter.replies)
+        done = native.forced_run(
+            matchers, drafts, limits, token, block, cap, width, segmenter.replies
+        )
         if done is None:
             return None
-        drafted = _finish(done, list(matchers), range(count), state, out, masks, segmenter)
-        return drafted
+        if done[0] is None and done[1] < 0:
+            return done[3]  # type: ignore[no-any-return]  # every request done in the call
+        arrays = _carve(block, sizes, count, cap, width)
+        return _finish(done, list(matchers), range(count), *arrays, segmenter)
     except _Declined:
         return None
     finally:
         try:
-            if drafted is None:  # (done: nothing left moved)
-                _roll_back(matchers, state)
+            if arrays:  # (a raising forced_run left nothing moved)
+                _roll_back(matchers, arrays[0])
         finally:
             native.forced_release(token, matchers)
+
+
+def _carve(
+    block: np.ndarray, sizes: tuple[int, int, int], count: int, cap: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The state, drafts and mask rows :func:`portable_spec.native.forced_run` keeps in
+    ``block``, as the arrays :func:`portable_spec.native.forced_step` takes."""
+    state = block[: sizes[0]].reshape(count, 8)
+    out = block[sizes[0] : sizes[0] + sizes[1]].reshape(count, cap)
+    rows = block[sizes[0] + sizes[1] :].view(np.int32)[: count * width].reshape(count, width)
+    return state, out, rows
 
 
 def draft_xgrammar_batch(
