@@ -22,7 +22,8 @@ grow_xgrammar       a draft tree's new nodes decided, xgrammar   None: the calle
                     matchers moved step by step, GIL released
 forced_start        forced_drafts' walk of xgrammar matchers     None: the caller's path
 forced_step         in phases, GIL released (forced_xgrammar
-                    says whether they are there)
+forced_run          says whether they are there); forced_run
+forced_release      its common call checked and held in C
 chain_live          llguidance's written-rows pass               None: the caller's numpy pass
 repair_chains       walked chains repaired (vLLM's repeat rule)  none: the vLLM plugin's only,
                                                                  its checked path otherwise
@@ -93,6 +94,8 @@ __all__ = [
     "chain_live",
     "chain_masks",
     "configure",
+    "forced_release",
+    "forced_run",
     "forced_start",
     "forced_step",
     "forced_xgrammar",
@@ -126,7 +129,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 
 def _load() -> ModuleType | None:
@@ -536,8 +539,9 @@ def forced_start(
     state: np.ndarray,
     out: np.ndarray,
     rows: np.ndarray,
-) -> tuple[list[Any], int, str | None] | None:
-    """The first phase of :func:`portable_spec.forced_drafts`' walk of xgrammar matchers
+    replies: dict[bytes, bytes] | None = None,
+) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
+    """The first phases of :func:`portable_spec.forced_drafts`' walk of xgrammar matchers
     (``portable_spec/csrc/forced.c`` says the protocol), the GIL released.
 
     Args:
@@ -548,42 +552,97 @@ def forced_start(
             tokens) set by the caller; the walk's state after.
         out: int64 ``[count, cap]``: each request's drafts (``cap`` >= its most tokens).
         rows: int32 ``[count, words]``: the masks the stability check asks for.
+        replies: forced text (its UTF-8 bytes as xgrammar gives them) -> the answer
+            :func:`forced_step` would be given to it, packed as int64 ``[keep, len(tokens),
+            len(words), entries, *tokens, *words, *known]`` bytes; texts found there are
+            answered without returning (the phases go on), the others asked. Read with the
+            GIL, copied.
 
     Returns:
-        ``(asks, failed, message)``: per matcher None (done, rolled back, ``out[c, :state[c,
-        2]]`` its drafts), a forced text (str, or bytes that are not whole characters) whose
-        tokens :func:`forced_step` takes, or True (the mask after the text in ``rows[c]``:
+        ``(asks, failed, message, drafts)``: ``asks`` None when no request asks anything,
+        else per matcher None (done, rolled back, ``out[c, :state[c, 2]]`` its drafts), a
+        forced text (str, or bytes that are not whole characters) whose tokens
+        :func:`forced_step` takes, or True (the mask after the text in ``rows[c]``:
         :func:`forced_step` takes how many of its tokens are stable); ``failed`` -1, or the
-        matcher xgrammar raised on (``message``); matchers not done are moved by
-        ``state[c, 1]`` tokens, to be rolled back by the caller if it stops. ``None`` when the
-        helper cannot walk them (nothing moved).
+        matcher xgrammar raised on (``message``); ``drafts`` every request's drafts (lists
+        of ints) once all are done, else None. Matchers not done are moved by ``state[c,
+        1]`` tokens, to be rolled back by the caller if it stops. ``None`` when the helper
+        cannot walk them (nothing moved).
     """
     helper = native
     if not forced_xgrammar() or helper is None:
         return None
     return helper.xgrammar_forced_start(  # type: ignore[no-any-return]
-        matchers, drafts, content_ends, state, out, rows
+        matchers, drafts, content_ends, state, out, rows, replies
     )
 
 
 def forced_step(
-    matchers: list[Any], replies: list[Any], state: np.ndarray, out: np.ndarray, rows: np.ndarray
-) -> tuple[list[Any], int, str | None] | None:
-    """The next phase after :func:`forced_start`: ``replies`` one per matcher, None where it
-    asked nothing, else a tuple ``(tokens, keep)``: to a text, its tokens and how many are
-    stable whatever follows (-1: unknown without the mask, -2: the text had no whole
-    character), with -1 optionally ``(tokens, -1, words, known)``: the counts known for some
-    values of the mask words ``words`` (``known`` flat: per entry those values, then its
-    count), looked up after the fill instead of asking; to True, the text's tokens and how
-    many of them are stable. Returns what
-    :func:`forced_start` returns; ``None`` when the helper was switched meanwhile (nothing
-    moved by this call)."""
+    matchers: list[Any],
+    answers: list[Any],
+    state: np.ndarray,
+    out: np.ndarray,
+    rows: np.ndarray,
+    replies: dict[bytes, bytes] | None = None,
+) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
+    """The next phases after :func:`forced_start` (or :func:`forced_run`): ``answers`` one
+    per matcher, None where it asked nothing, else a tuple ``(tokens, keep)``: to a text, its
+    tokens and how many are stable whatever follows (-1: unknown without the mask, -2: the
+    text had no whole character), with -1 optionally ``(tokens, -1, words, known)``: the
+    counts known for some values of the mask words ``words`` (``known`` flat: per entry those
+    values, then its count), looked up after the fill instead of asking; to True, the text's
+    tokens and how many of them are stable. ``replies`` as for :func:`forced_start`. Returns
+    what :func:`forced_start` returns; ``None`` when the helper was switched meanwhile
+    (nothing moved by this call)."""
     helper = native
     if not forced_xgrammar() or helper is None:
         return None
     return helper.xgrammar_forced_step(  # type: ignore[no-any-return]
-        matchers, replies, state, out, rows
+        matchers, answers, state, out, rows, replies
     )
+
+
+def forced_run(
+    matchers: list[Any] | tuple[Any, ...],
+    drafts: list[Any] | tuple[Any, ...],
+    limits: int | list[int],
+    token: object,
+    block: np.ndarray,
+    cap: int,
+    words: int,
+    replies: dict[bytes, bytes] | None,
+) -> tuple[list[Any] | None, int, str | None, list[list[int]] | None] | None:
+    """:func:`forced_start` for :func:`portable_spec.forced_drafts`' common call, its checks
+    made in C too: every matcher an xgrammar matcher the library probed (at most ``words``
+    int32 words wide), ``drafts`` one exact list or tuple of exact ints per matcher,
+    ``limits`` an int for all or a list of ints, each from 0 to ``cap``, no reasoning. Its
+    arrays are carved out of ``block`` (a 1-D int64 array of at least ``count * (8 + cap) +
+    ceil(count * words / 2)``): the state ``[count, 8]``, the drafts ``[count, cap]``, then
+    the rows (int32 ``[count, words]``), as :func:`forced_step` takes them. The matchers are
+    entered in the held table (:mod:`portable_spec.pending`) under ``token`` and stay there
+    until :func:`forced_release`, whatever this returns. Returns what :func:`forced_start`
+    returns, or ``None`` (nothing held, nothing moved) for anything else, a matcher another
+    build holds or one listed twice: the caller's checked path then serves, and names what is
+    wrong."""
+    helper = native
+    if not forced_xgrammar() or helper is None:
+        return None
+    return helper.xgrammar_forced_run(  # type: ignore[no-any-return]
+        matchers, drafts, limits, token, block, cap, words, replies
+    )
+
+
+def forced_release(token: object, matchers: list[Any] | tuple[Any, ...]) -> None:
+    """Take out of the held table what :func:`forced_run` entered under ``token`` (nothing
+    for a matcher no longer held under it)."""
+    helper = native
+    if helper is not None:
+        helper.xgrammar_forced_release(token, matchers)
+    elif _tables is not None:  # the helper switched off meanwhile
+        held = _tables[1]
+        for g in matchers:
+            if held.get(id(g)) is token:
+                del held[id(g)]
 
 
 def chain_live(

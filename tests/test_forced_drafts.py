@@ -559,11 +559,170 @@ def test_a_tokenizer_that_raises_leaves_every_matcher_in_its_state(tok, compiler
                 raise RuntimeError("this tokenizer refuses the text")
             return tok.encode(text, add_special_tokens=False)
 
-    picky = Picky()
     before = [engine.print(m) for m in matchers]
-    with pytest.raises(ps.MatcherError) as raised:
-        ps.forced_drafts(matchers, [ids[:2], [], ids[:3]], 6, tokenizer=picky)
-    assert raised.value.request_index == 1
-    assert [engine.print(m) for m in matchers] == before
+    for _ in range(2):  # fresh matchers, then probed ones (the common compiled call)
+        with pytest.raises(ps.MatcherError) as raised:
+            ps.forced_drafts(matchers, [ids[:2], [], ids[:3]], 6, tokenizer=Picky())
+        assert raised.value.request_index == 1
+        assert [engine.print(m) for m in matchers] == before
+        assert _held_nothing()
     got = ps.forced_drafts([matchers[0], matchers[2]], [ids[:2], []], 6, tokenizer=tok)
     assert all(replay_ok(engine, [], d, 2) for d in got) and got[0][:2] == ids[:2]
+
+
+def _held_nothing():
+    from portable_spec import pending
+
+    return not pending.held_table()
+
+
+def test_the_common_call_drafts_what_the_python_walk_drafts(tok, compiler, route, monkeypatch):
+    """The common call (xgrammar matchers the library probed, lists or tuples of ints, one
+    limit, no reasoning) is checked, held and walked in one compiled call whose forced texts
+    are answered from the tokenizer's replies table: the same tokens as the per-request
+    Python walk, every drafted sequence replays on a fresh matcher, no matcher moves, nothing
+    stays held; cold (every text asked) and warm (every text answered inside the call)."""
+    import portable_spec.drafting.forced as forced
+    from portable_spec import native
+
+    if route == "python":
+        pytest.skip("compares the compiled call with the Python walk")
+    taken = []
+    run = native.forced_run
+
+    def spy(*args):
+        done = run(*args)
+        taken.append(done is not None)
+        return done
+
+    monkeypatch.setattr(native, "forced_run", spy)
+    rng = np.random.default_rng(4545)
+    eos = 2
+    for flexible in (True, False):
+        cases = []
+        for name, instance in sorted(INSTANCES.items()):
+            schema = T.SCHEMA_WORKLOADS[name][0]
+            cases.append((Engine("xgrammar", compiler, None, schema, flexible), instance))
+        for _ in range(10):
+            batch = int(rng.integers(1, 40))
+            matchers, proposals, committed, engines = [], [], [], []
+            for b in range(batch):
+                engine, instance = cases[int(rng.integers(len(cases)))]
+                ids = [*output_tokens(tok, instance), eos]
+                at = int(rng.integers(0, len(ids)))
+                m = engine.fresh()
+                for t in ids[:at]:
+                    assert m.accept_token(t)
+                ahead = list(ids[at : at + int(rng.integers(0, 9))])
+                kind = int(rng.integers(5))
+                if kind == 1 and ahead:
+                    ahead[int(rng.integers(len(ahead)))] = int(rng.integers(VOCAB))
+                elif kind == 2:
+                    ahead += [-1, -1]
+                elif kind == 3:
+                    ahead.append(VOCAB + 3)
+                matchers.append(m)
+                proposals.append(tuple(ahead) if b % 7 == 6 else ahead)
+                committed.append(ids[:at])
+                engines.append(engine)
+            if rng.integers(2):
+                limit: int | list[int] = int(rng.integers(1, 13))
+                limits = [limit] * batch
+            else:  # one per request, some 0 (as engines pass them)
+                limit = limits = [int(x) for x in rng.integers(0, 13, size=batch)]
+            vocab = None if rng.integers(2) else VOCAB + 5
+            before = [e.print(m) for e, m in zip(engines, matchers, strict=True)]
+            monkeypatch.setattr(forced, "_BATCHED", False)
+            expected = ps.forced_drafts(  # (the matchers probed here)
+                matchers, proposals, limit, tokenizer=tok, vocab_size=vocab
+            )
+            monkeypatch.setattr(forced, "_BATCHED", True)
+            for tokenizer in (lambda text: tok.encode(text, add_special_tokens=False), tok):
+                del taken[:]
+                got = ps.forced_drafts(
+                    matchers, proposals, limit, tokenizer=tokenizer, vocab_size=vocab
+                )
+                assert taken == [True]  # the common call served it
+                assert got == expected
+                assert [e.print(m) for e, m in zip(engines, matchers, strict=True)] == before
+                assert _held_nothing()
+            for b, drafted in enumerate(got):
+                assert len(drafted) <= limits[b]
+                assert replay_ok(engines[b], committed[b], drafted, eos), (b, drafted)
+
+
+def test_the_common_call_declines_what_it_does_not_check(tok, compiler, route):
+    """Anything the compiled checks do not take goes to the checked path, which names what is
+    wrong before any matcher moves: bools and floats among the drafts, a drafts count that is
+    not the matchers', a matcher listed twice, a matcher another build holds."""
+    from portable_spec import pending
+
+    engine = Engine("xgrammar", compiler, None, T.TOOL_CALL_SCHEMA, False)
+    matchers = [engine.fresh() for _ in range(3)]
+    assert ps.forced_drafts(matchers, [[], [], []], 4, tokenizer=tok)  # probed now
+    before = [engine.print(m) for m in matchers]
+    empty = [[], [], []]
+    bad = [
+        (TypeError, matchers, [[1], [True], []], {}),
+        (TypeError, matchers, [[1], [1.5], []], {}),
+        (TypeError, matchers, [[1], "ab", []], {}),
+        (ValueError, matchers, [[1], []], {}),
+        (ValueError, [matchers[0], matchers[1], matchers[0]], empty, {}),
+        (ValueError, matchers, empty, {"max_len": [4, -1, 4]}),
+        (TypeError, matchers, empty, {"max_len": [4, 2.0, 4]}),
+        (ValueError, matchers, empty, {"max_len": [4, 4]}),
+        (ValueError, matchers, empty, {"vocab_size": VOCAB // 2}),  # narrower than a matcher
+        (ValueError, matchers, empty, {"vocab_size": 0}),
+    ]
+    for error, ms, drafts, change in bad:
+        kwargs = {"max_len": 4, "tokenizer": tok, **change}
+        with pytest.raises(error):
+            ps.forced_drafts(ms, drafts, **kwargs)
+        assert [engine.print(m) for m in matchers] == before
+        assert _held_nothing()
+    token, held = pending.hold_matchers([matchers[1]])
+    try:
+        with pytest.raises(ValueError, match="another build"):
+            ps.forced_drafts(matchers, [[], [], []], 4, tokenizer=tok)
+        assert [engine.print(m) for m in matchers] == before
+        assert pending.held_table() == {id(matchers[1]): token}
+    finally:
+        pending.release_matchers(token, held)
+    assert ps.forced_drafts(matchers, [[], [], []], 4, tokenizer=tok)[0]
+    assert _held_nothing()
+
+
+def test_an_error_inside_the_common_call_leaves_nothing_moved(tok, compiler, route):
+    """An error raised inside the common compiled call after its phases moved the matchers (a
+    malformed entry in the replies table, read between phases): every matcher is back in its
+    state, nothing stays held, and the next call drafts as usual."""
+    from portable_spec.drafting.segment import segmenter_for
+
+    if route == "python":
+        pytest.skip("the compiled call's own error path")
+    engine = Engine("xgrammar", compiler, None, T.TOOL_CALL_SCHEMA, False)
+    ids = output_tokens(tok, TOOL_CALL)
+    matchers = [engine.fresh() for _ in range(3)]
+    assert matchers[2].accept_token(ids[0])
+    drafts = [ids[:1], [], ids[1:2]]  # requests 0 and 2 moved before the poisoned text
+    assert ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)[0]  # probed, cached
+    ahead = engine.fresh()
+    assert ahead.accept_token(ids[0])
+    text = ahead.find_jump_forward_string()
+    assert text
+    replies = segmenter_for(tok).replies
+    before = [engine.print(m) for m in matchers]
+    kept = replies.get(text.encode())
+    replies[text.encode()] = b"\x01" * 12  # not whole int64 words
+    try:
+        with pytest.raises((ValueError, ps.MatcherError)):
+            ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)
+    finally:
+        if kept is None:
+            replies.pop(text.encode(), None)
+        else:
+            replies[text.encode()] = kept
+    assert [engine.print(m) for m in matchers] == before
+    assert _held_nothing()
+    got = ps.forced_drafts(matchers, drafts, 6, tokenizer=tok)
+    assert all(replay_ok(engine, ids[:1] if b == 2 else [], d, 2) for b, d in enumerate(got))

@@ -1,11 +1,15 @@
-/* xgrammar_forced_start, xgrammar_forced_step: forced_drafts' walk of a batch of xgrammar
-   matchers (portable_spec/drafting/forced.py), their methods called through tvm-ffi's C ABI
-   with the GIL released, in phases that stop only where the tokenizer is needed.
+/* xgrammar_forced_start, xgrammar_forced_step, xgrammar_forced_run: forced_drafts' walk of a
+   batch of xgrammar matchers (portable_spec/drafting/forced.py), their methods called through
+   tvm-ffi's C ABI with the GIL released, in phases that stop only where the tokenizer is
+   needed and its answer is not known yet.
 
    Per request, the walk of forced.py's _draft_xgrammar: the longest accepted prefix of the
-   proposed drafts, then rounds of the grammar's forced text (its tokens given back by the
-   caller), the stability check's mask, and the single token of a state that allows only
-   one. A phase runs every listed request until it asks the caller something or ends:
+   proposed drafts, then rounds of the grammar's forced text (its tokens), the stability
+   check's mask, and the single token of a state that allows only one. A phase runs every
+   listed request until it needs a forced text's tokens or ends. Between phases, with the
+   GIL, each text is looked up in the replies table (the tokenizer's answers so far, keyed by
+   the text's bytes, see fx_reply_packed); the requests it answers run another phase. Only
+   what the table does not answer returns to the caller:
 
      asks[c] is a str (or bytes that are not whole UTF-8 characters): the forced text, whose
              tokens the caller gives in the next step as (tokens, keep[, words, known]), keep
@@ -14,14 +18,17 @@
              with -1, `words` (mask word indices) and `known` (flat: per entry the values of
              those words, then the stable count) answer without asking where the mask's words
              match an entry;
-     asks[c] is True: the mask after the whole text is in rows[c]; the caller gives back
-             (tokens, keep), keep how many of the text's tokens are stable;
+     asks[c] is (text,): the mask after the whole text is in rows[c] (zero past the
+             matcher's own width); the caller gives back (tokens, keep), keep how many of the
+             text's tokens are stable; text None: the one asked last for this request;
      asks[c] is None: the request is done, its matcher rolled back, out[c, :count] its drafts.
 
-   The state lives in the caller's int64 [count, FS_FIELDS] array (private to one
-   forced_drafts call: no other code sees it); a request that is not done holds its matcher
-   moved by state[c, FS_HELD] tokens, which the caller rolls back if it gives up. Matchers are
-   held by a reference for each call; what is read without the GIL is a private copy. */
+   When nothing is asked the result carries every request's drafts as lists. The state lives
+   in the caller's int64 [count, FS_FIELDS] array (private to one forced_drafts call: no other
+   code sees it); a request that is not done holds its matcher moved by state[c, FS_HELD]
+   tokens, which the caller rolls back if it gives up. Matchers are held by a reference for
+   each call (and, by xgrammar_forced_run, in the held table until xgrammar_forced_release);
+   what is read without the GIL is a private copy. */
 
 enum { FS_DONE = 0, FS_TEXT = 1, FS_STABLE = 2 };
 enum { FS_STATUS, FS_HELD, FS_COUNT, FS_LIMIT, FS_MASK, FS_FIELDS = 8 };
@@ -118,7 +125,7 @@ typedef struct {
     Py_ssize_t nwords, nknown;
     const int64_t *stops; /* into the phase's copies */
     Py_ssize_t nstops;
-    int64_t vocab, words;
+    int64_t vocab, words, rowlen; /* rowlen: the rows' width (>= words; zero past words) */
     int64_t *state, *out; /* the caller's rows of them */
     int32_t *row;
     char *text;           /* an asked forced text (malloc'd) */
@@ -129,6 +136,7 @@ typedef struct {
 typedef struct {
     Py_ssize_t count, cap, words;
     Forced *entries;
+    PyObject *replies; /* dict: forced text (bytes) -> its reply, or NULL (borrowed) */
     int64_t *stops; /* every distinct stop set's copy */
     Py_ssize_t failed;
     char *error;
@@ -162,6 +170,8 @@ static int fx_done(Forced *e, char **error) {
 static int fx_fill(Forced *e, char **error) {
     if (e->state[FS_MASK]) return 0;
     if (ffi_fill(&e->arg, e->row, e->words, error) != 0) return -1;
+    if (e->rowlen > e->words) /* a row wider than the matcher's: zero past it */
+        memset(e->row + e->words, 0, sizeof(int32_t) * (size_t)(e->rowlen - e->words));
     e->state[FS_MASK] = 1;
     return 0;
 }
@@ -186,6 +196,7 @@ static int fx_advance(Forced *e, Py_ssize_t cap, int text_next, char **error) {
     int64_t *s = e->state;
     while (s[FS_COUNT] < s[FS_LIMIT]) {
         if (text_next) {
+            free(e->text);
             if (ffi_forced_text(&e->arg, &e->text, &e->ntext, error) != 0) return -1;
             if (e->ntext > 0) {
                 s[FS_STATUS] = FS_TEXT;
@@ -352,6 +363,9 @@ static int fx_tokens(PyObject *obj, Forced *e, const char *name) {
 /* The phase's common arguments: the matchers (each known to the facts table), the state,
    output and mask arrays held in a[0..2]. 1 ready, 0 declined (a matcher the helper cannot
    call: nothing moved, no error set), -1 with an error set. */
+static int phase_entries(Phase *p, PyObject *const *items, Py_ssize_t n, int64_t *state,
+                         int64_t *out, int32_t *rows, PyObject *limits);
+
 static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3]) {
     memset(p, 0, sizeof(*p));
     p->failed = -1;
@@ -369,6 +383,51 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
         return -1;
     }
     p->count = n, p->cap = a[1].view.shape[1], p->words = a[2].view.shape[1];
+    return phase_entries(p, items, n, a[0].view.buf, a[1].view.buf, a[2].view.buf, NULL);
+}
+
+/* xgrammar_forced_run's arrays: one writable 1-D int64 block holding, in order, the state
+   [n, FS_FIELDS], out [n, cap] and the rows (int32 [n, words], padded to whole int64), and
+   the limits (an exact int, or a list or tuple of them, one per request) written into a
+   zeroed state. 1 ready, 0 declined (no error set), -1 with an error set. */
+static int phase_block(Phase *p, PyObject *matchers, PyObject *block, Py_ssize_t cap,
+                       Py_ssize_t words, PyObject *limits, Array *a) {
+    memset(p, 0, sizeof(*p));
+    p->failed = -1;
+    if (!ffi_forced_bound()) return 0;
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(matchers, &n);
+    if (n < 0 || cap < 1 || words < 1) return 0;
+    if (array_get(block, a, 1, 'i', 8, 1, "block") != 0) return -1;
+    Py_ssize_t need = n * (FS_FIELDS + cap) + (n * words + 1) / 2;
+    if (a->view.shape[0] < need) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_forced_run: the block is too small");
+        return -1;
+    }
+    p->count = n, p->cap = cap, p->words = words;
+    int64_t *state = a->view.buf, *out = state + n * FS_FIELDS;
+    int32_t *rows = (int32_t *)(out + n * cap);
+    memset(state, 0, sizeof(int64_t) * (size_t)(n * FS_FIELDS));
+    return phase_entries(p, items, n, state, out, rows, limits);
+}
+
+/* Request c's limit from `limits` (an exact int for all, or one per request) into *v: 1, or
+   0 when it is not an exact int from 0 to cap. */
+static int fx_limit(PyObject *limits, Py_ssize_t c, Py_ssize_t n, Py_ssize_t cap, int64_t *v) {
+    PyObject *item = limits;
+    if (!PyLong_CheckExact(limits)) {
+        Py_ssize_t k;
+        PyObject *const *each = sequence_items(limits, &k);
+        if (k != n) return 0;
+        item = each[c];
+    }
+    return exact_int(item, v) == 0 && *v >= 0 && *v <= cap;
+}
+
+/* Every request's entry: its matcher (known to the facts table), its rows of the arrays, its
+   stop tokens; with `limits`, its limit written into its (zeroed) state row first. */
+static int phase_entries(Phase *p, PyObject *const *items, Py_ssize_t n, int64_t *state,
+                         int64_t *out, int32_t *rows, PyObject *limits) {
     size_t slots = (size_t)(n > 0 ? n : 1);
     p->entries = PyMem_Calloc(slots, sizeof(Forced));
     if (p->entries == NULL) {
@@ -377,16 +436,15 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
     }
     PyObject *last_stops = NULL;
     Py_ssize_t stop_at = 0, stop_count = 0, stop_room = 0;
-    int64_t *state = a[0].view.buf, *out = a[1].view.buf;
-    int32_t *rows = a[2].view.buf;
     for (Py_ssize_t c = 0; c < n; c++) {
         Forced *e = &p->entries[c];
         Facts f;
         if (!matcher_facts(items[c], &f) || f.words > p->words) return 0;
         if (ffi_matcher(f.handle, &e->arg) != 0) return -1;
         e->matcher = Py_NewRef(items[c]);
-        e->vocab = f.vocab, e->words = f.words;
+        e->vocab = f.vocab, e->words = f.words, e->rowlen = p->words;
         e->state = state + c * FS_FIELDS, e->out = out + c * p->cap, e->row = rows + c * p->words;
+        if (limits != NULL && !fx_limit(limits, c, n, p->cap, &e->state[FS_LIMIT])) return 0;
         if (e->state[FS_LIMIT] < 0 || e->state[FS_LIMIT] > p->cap || e->state[FS_COUNT] < 0 ||
             e->state[FS_COUNT] > e->state[FS_LIMIT] || e->state[FS_HELD] < 0) {
             PyErr_SetString(PyExc_ValueError, "xgrammar_forced: a state row out of range");
@@ -422,44 +480,6 @@ static int phase_init(Phase *p, PyObject *matchers, PyObject *objs[3], Array a[3
     return 1;
 }
 
-/* (asks, failed, message) after a phase. */
-static PyObject *phase_result(Phase *p) {
-    PyObject *asks = PyList_New(p->count);
-    if (asks == NULL) return NULL;
-    for (Py_ssize_t c = 0; c < p->count; c++) {
-        Forced *e = &p->entries[c];
-        PyObject *ask = Py_None;
-        int64_t status = e->state[FS_STATUS];
-        if (status == FS_TEXT) {
-            ask = PyUnicode_DecodeUTF8(e->text, (Py_ssize_t)e->ntext, "strict");
-            if (ask == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
-                PyErr_Clear(); /* not whole characters (xgrammar 0.2.8): the caller cuts */
-                ask = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
-            }
-            if (ask == NULL) {
-                Py_DECREF(asks);
-                return NULL;
-            }
-        } else {
-            Py_INCREF(ask = status == FS_STABLE ? Py_True : Py_None);
-        }
-        PyList_SET_ITEM(asks, c, ask);
-    }
-    PyObject *message = Py_None;
-    if (p->failed >= 0) {
-        message = PyUnicode_DecodeUTF8(p->error ? p->error : "xgrammar failed",
-                                       (Py_ssize_t)strlen(p->error ? p->error : "xgrammar failed"),
-                                       "replace");
-        if (message == NULL) {
-            Py_DECREF(asks);
-            return NULL;
-        }
-    } else {
-        Py_INCREF(message);
-    }
-    return Py_BuildValue("(NnN)", asks, p->failed, message);
-}
-
 /* A text reply's known stable counts: `words` (mask word indices) and `known` (per entry the
    values of those words, then its count), ints, copied. 0, or -1 with an error set. */
 static int fx_known_copy(Forced *e, PyObject *words, PyObject *known) {
@@ -485,11 +505,187 @@ static int fx_known_copy(Forced *e, PyObject *words, PyObject *known) {
     return 0;
 }
 
+/* Request c's reply to its ask (status FS_TEXT or FS_STABLE): (tokens, keep[, words, known]),
+   copied; the request runs in the next phase. 0, or -1 with an error set. */
+static int fx_reply(Forced *e, int64_t status, PyObject *item, const char *name) {
+    int64_t keep;
+    Py_ssize_t size = PyTuple_CheckExact(item) ? PyTuple_GET_SIZE(item) : 0;
+    if (status == FS_DONE || (size != 2 && size != 4) ||
+        exact_int(PyTuple_GET_ITEM(item, 1), &keep) != 0 ||
+        keep < (status == FS_TEXT ? FS_NO_TEXT : 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: a reply is (tokens, keep[, words, known]) to an ask", name);
+        return -1;
+    }
+    PyMem_Free(e->tokens);
+    PyMem_Free(e->known);
+    e->tokens = NULL, e->known = NULL, e->ntokens = 0, e->nwords = 0, e->nknown = 0;
+    if (fx_tokens(PyTuple_GET_ITEM(item, 0), e, name) != 0) return -1;
+    if (size == 4 &&
+        fx_known_copy(e, PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3)) != 0)
+        return -1;
+    e->keep = keep;
+    e->run = 2;
+    return 0;
+}
+
+/* A text's answer from the replies table: int64 words [keep, ntokens, nwords, nentries,
+   tokens..., words..., entries...] (each entry the values of the words, then its count),
+   copied. 0, or -1 with an error set. */
+static int fx_reply_packed(Forced *e, PyObject *packed) {
+    Py_ssize_t size = PyBytes_GET_SIZE(packed) / (Py_ssize_t)sizeof(int64_t);
+    int64_t head[4];
+    int ok = PyBytes_GET_SIZE(packed) % (Py_ssize_t)sizeof(int64_t) == 0 && size >= 4;
+    if (ok) memcpy(head, PyBytes_AS_STRING(packed), sizeof(head));
+    ok = ok && head[0] >= FS_NO_TEXT && head[1] >= 0 && head[2] >= 0 && head[3] >= 0 &&
+         head[1] <= size && head[2] <= size && head[3] <= size &&
+         4 + head[1] + head[2] + head[3] * (head[2] + 1) == size;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "forced text replies: a malformed entry");
+        return -1;
+    }
+    PyMem_Free(e->tokens);
+    PyMem_Free(e->known);
+    e->known = NULL, e->nwords = 0, e->nknown = 0, e->ntokens = 0;
+    const int64_t *v = (const int64_t *)PyBytes_AS_STRING(packed) + 4;
+    if ((e->tokens = copy_int64(v, (Py_ssize_t)head[1])) == NULL) return -1;
+    e->ntokens = (Py_ssize_t)head[1];
+    Py_ssize_t rest = size - 4 - e->ntokens;
+    if (rest > 0) {
+        if ((e->known = copy_int64(v + e->ntokens, rest)) == NULL) return -1;
+        e->nwords = (Py_ssize_t)head[2], e->nknown = (Py_ssize_t)head[3];
+    }
+    e->keep = head[0];
+    e->run = 2;
+    return 0;
+}
+
+/* After a phase, with the GIL: every request that asked for a forced text the replies table
+   answers gets that answer and runs again; the others stop (asked, or done). The count that
+   run again, or -1 with an error set. */
+static Py_ssize_t fx_resolve(Phase *p) {
+    Py_ssize_t again = 0;
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        e->run = 0;
+        if (p->replies == NULL || e->state[FS_STATUS] != FS_TEXT) continue;
+        PyObject *key = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
+        if (key == NULL) return -1;
+        PyObject *reply = PyDict_GetItemWithError(p->replies, key);
+        Py_DECREF(key);
+        if (reply == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        if (!PyBytes_CheckExact(reply)) {
+            PyErr_SetString(PyExc_ValueError, "forced text replies: an entry is not bytes");
+            return -1;
+        }
+        Py_INCREF(reply);
+        int bad = fx_reply_packed(e, reply);
+        Py_DECREF(reply);
+        if (bad) return -1;
+        again++; /* the text stays: a stability ask names it */
+    }
+    return again;
+}
+
+/* Phases until every request is done or asks what the replies table does not answer (or one
+   fails). 0, or -1 with an error set (matchers may be held: see the state). */
+static int fx_loop(Phase *p) {
+    for (;;) {
+        fx_run(p);
+        if (p->failed >= 0) return 0;
+        Py_ssize_t again = fx_resolve(p);
+        if (again < 0) return -1;
+        if (again == 0) return 0;
+    }
+}
+
+/* The forced text a request asked last: a str, or bytes when not whole UTF-8 characters
+   (xgrammar 0.2.8: the caller cuts). NULL with an error set. */
+static PyObject *fx_text_object(const Forced *e) {
+    PyObject *text = PyUnicode_DecodeUTF8(e->text, (Py_ssize_t)e->ntext, "strict");
+    if (text == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        text = PyBytes_FromStringAndSize(e->text, (Py_ssize_t)e->ntext);
+    }
+    return text;
+}
+
+/* (asks, failed, message, drafts) after the phases: asks one per request (see the top), None
+   when none asks; drafts, when every request is done, a list per request of its drafts
+   (out[c, :count]), else None. */
+static PyObject *phase_result(Phase *p) {
+    PyObject *asks = PyList_New(p->count);
+    if (asks == NULL) return NULL;
+    int asked = 0;
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        PyObject *ask = Py_None;
+        int64_t status = e->state[FS_STATUS];
+        if (status == FS_TEXT || status == FS_STABLE) {
+            /* a stability ask names its text, or None when the caller gave its tokens (the
+               text then being the one it was asked last for this request) */
+            ask = e->text == NULL ? Py_NewRef(Py_None) : fx_text_object(e);
+            if (ask != NULL && status == FS_STABLE) Py_SETREF(ask, PyTuple_Pack(1, ask));
+            if (ask == NULL) {
+                Py_DECREF(asks);
+                return NULL;
+            }
+            asked = 1;
+        } else {
+            Py_INCREF(ask);
+        }
+        PyList_SET_ITEM(asks, c, ask);
+    }
+    PyObject *message = NULL, *drafts = NULL;
+    if (p->failed >= 0) {
+        const char *text = p->error ? p->error : "xgrammar failed";
+        message = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+        if (message == NULL) goto fail;
+    } else if (!asked) {
+        drafts = PyList_New(p->count);
+        if (drafts == NULL) goto fail;
+        for (Py_ssize_t c = 0; c < p->count; c++) {
+            Forced *e = &p->entries[c];
+            Py_ssize_t n = (Py_ssize_t)e->state[FS_COUNT];
+            PyObject *row = PyList_New(n);
+            if (row == NULL) goto fail;
+            PyList_SET_ITEM(drafts, c, row);
+            for (Py_ssize_t j = 0; j < n; j++) {
+                PyObject *t = PyLong_FromLongLong(e->out[j]);
+                if (t == NULL) goto fail;
+                PyList_SET_ITEM(row, j, t);
+            }
+        }
+    }
+    if (!asked) Py_SETREF(asks, Py_NewRef(Py_None));
+    return Py_BuildValue("(NnNN)", asks, p->failed, message ? message : Py_NewRef(Py_None),
+                         drafts ? drafts : Py_NewRef(Py_None));
+fail:
+    Py_DECREF(asks);
+    Py_XDECREF(drafts);
+    Py_XDECREF(message);
+    return NULL;
+}
+
+/* The replies table argument: a dict, or None (every text asked). */
+static int fx_replies(Phase *p, PyObject *replies) {
+    if (replies == Py_None) return 0;
+    if (!PyDict_CheckExact(replies)) {
+        PyErr_SetString(PyExc_TypeError, "xgrammar_forced: the replies table must be a dict");
+        return -1;
+    }
+    p->replies = replies;
+    return 0;
+}
+
 static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *matchers, *drafts, *content_ends, *objs[3];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &matchers, &drafts, &content_ends, &objs[0], &objs[1],
-                          &objs[2]))
+    PyObject *matchers, *drafts, *content_ends, *replies, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &matchers, &drafts, &content_ends, &objs[0], &objs[1],
+                          &objs[2], &replies))
         return NULL;
     Phase p;
     Array a[3] = {0};
@@ -499,6 +695,7 @@ static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
         if (ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
+    if (fx_replies(&p, replies) != 0) goto done;
     Py_ssize_t nd, ne;
     PyObject *const *rows = sequence_items(drafts, &nd);
     PyObject *const *ends = sequence_items(content_ends, &ne);
@@ -516,8 +713,7 @@ static PyObject *xgrammar_forced_start(PyObject *self, PyObject *args) {
         e->run = 1;
         e->state[FS_STATUS] = FS_DONE, e->state[FS_HELD] = 0, e->state[FS_MASK] = 0;
     }
-    fx_run(&p);
-    result = phase_result(&p);
+    if (fx_loop(&p) == 0) result = phase_result(&p);
 done:
     phase_clear(&p);
     for (int i = 0; i < 3; i++) array_release(&a[i]);
@@ -526,8 +722,9 @@ done:
 
 static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *matchers, *replies, *objs[3];
-    if (!PyArg_ParseTuple(args, "OOOOO", &matchers, &replies, &objs[0], &objs[1], &objs[2]))
+    PyObject *matchers, *replies, *table, *objs[3];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &matchers, &replies, &objs[0], &objs[1], &objs[2],
+                          &table))
         return NULL;
     Phase p;
     Array a[3] = {0};
@@ -537,6 +734,7 @@ static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
         if (ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
+    if (fx_replies(&p, table) != 0) goto done;
     Py_ssize_t nr;
     PyObject *const *items = sequence_items(replies, &nr);
     if (nr != p.count) {
@@ -553,28 +751,143 @@ static PyObject *xgrammar_forced_step(PyObject *self, PyObject *args) {
             }
             continue;
         }
-        int64_t keep;
-        Py_ssize_t size = PyTuple_CheckExact(items[c]) ? PyTuple_GET_SIZE(items[c]) : 0;
-        if (status == FS_DONE || (size != 2 && size != 4) ||
-            exact_int(PyTuple_GET_ITEM(items[c], 1), &keep) != 0 ||
-            keep < (status == FS_TEXT ? FS_NO_TEXT : 0)) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError,
-                            "xgrammar_forced_step: a reply is (tokens, keep[, words, known]) to "
-                            "an ask");
-            goto done;
-        }
-        if (fx_tokens(PyTuple_GET_ITEM(items[c], 0), e, "xgrammar_forced_step") != 0) goto done;
-        if (size == 4 && fx_known_copy(e, PyTuple_GET_ITEM(items[c], 2),
-                                       PyTuple_GET_ITEM(items[c], 3)) != 0)
-            goto done;
-        e->keep = keep;
-        e->run = 2;
+        if (fx_reply(e, status, items[c], "xgrammar_forced_step") != 0) goto done;
     }
-    fx_run(&p);
-    result = phase_result(&p);
+    if (fx_loop(&p) == 0) result = phase_result(&p);
 done:
     phase_clear(&p);
     for (int i = 0; i < 3; i++) array_release(&a[i]);
     return result;
+}
+
+/* Row c of the drafts for xgrammar_forced_run: an exact list or tuple of exact ints, copied
+   (ids that do not fit int64 are -1: refused). 1, 0 when it is anything else (no error set),
+   -1 with an error set. */
+static int fx_tokens_exact(PyObject *obj, Forced *e) {
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(obj, &n);
+    if (n < 0) return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(items[i])) return 0;
+    return fx_tokens(obj, e, "xgrammar_forced_run") == 0 ? 1 : -1;
+}
+
+/* Enter every request's matcher in the held table under `token`: 1, or 0 when another build
+   holds one or one is listed twice (what this call entered is taken out again), or -1 with an
+   error set. No Python code runs between a test and its entry (the keys are exact ints). */
+static int fx_hold(Phase *p, PyObject *token) {
+    if (env_held == NULL) return 0;
+    Py_ssize_t c = 0;
+    int outcome = 1;
+    for (; c < p->count; c++) {
+        PyObject *key = PyLong_FromVoidPtr(p->entries[c].matcher);
+        if (key == NULL) {
+            outcome = -1;
+            break;
+        }
+        PyObject *holder = PyDict_GetItemWithError(env_held, key);
+        if (holder != NULL || PyErr_Occurred()) {
+            Py_DECREF(key);
+            outcome = PyErr_Occurred() ? -1 : 0;
+            break;
+        }
+        int bad = PyDict_SetItem(env_held, key, token);
+        Py_DECREF(key);
+        if (bad) {
+            outcome = -1;
+            break;
+        }
+    }
+    if (outcome == 1) return 1;
+    for (Py_ssize_t k = 0; k < c; k++) { /* what this call entered */
+        PyObject *key = PyLong_FromVoidPtr(p->entries[k].matcher);
+        if (key == NULL) break;
+        if (PyDict_GetItemWithError(env_held, key) == token) PyDict_DelItem(env_held, key);
+        Py_DECREF(key);
+    }
+    if (outcome == 0) PyErr_Clear();
+    return outcome;
+}
+
+/* forced_drafts' common case in one call: xgrammar matchers the library probed, drafts as
+   exact lists of exact ints, one limit for all (in the state rows). Declines (None, nothing
+   held or moved) for anything else, or when another build holds a matcher or one is listed
+   twice: the caller's checked path serves (and names what is wrong). Otherwise the matchers
+   stay held under `token` until xgrammar_forced_release. */
+static void fx_roll_back_all(Phase *p);
+
+static PyObject *xgrammar_forced_run(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *matchers, *drafts, *limits, *token, *block, *replies;
+    Py_ssize_t cap, words;
+    if (!PyArg_ParseTuple(args, "OOOOOnnO", &matchers, &drafts, &limits, &token, &block, &cap,
+                          &words, &replies))
+        return NULL;
+    Phase p;
+    Array a = {0};
+    PyObject *result = NULL;
+    int ready = phase_block(&p, matchers, block, cap, words, limits, &a);
+    if (ready > 0 && fx_replies(&p, replies) != 0) ready = -1;
+    Py_ssize_t nd = -1;
+    PyObject *const *rows = ready > 0 ? sequence_items(drafts, &nd) : NULL;
+    if (ready > 0 && nd != p.count) ready = 0;
+    for (Py_ssize_t c = 0; ready > 0 && c < p.count; c++) {
+        Forced *e = &p.entries[c];
+        ready = fx_tokens_exact(rows[c], e);
+        e->keep = 0;
+        e->run = 1;
+    }
+    if (ready > 0) ready = fx_hold(&p, token);
+    if (ready <= 0) {
+        if (ready == 0) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (fx_loop(&p) == 0) result = phase_result(&p);
+    if (result == NULL) fx_roll_back_all(&p); /* raising: nothing left moved */
+done:
+    phase_clear(&p);
+    array_release(&a);
+    return result;
+}
+
+/* Every request's matcher back where it was (an error is being raised: xgrammar's own
+   errors here are dropped). */
+static void fx_roll_back_all(Phase *p) {
+    for (Py_ssize_t c = 0; c < p->count; c++) {
+        Forced *e = &p->entries[c];
+        char *ignored = NULL;
+        if (e->state != NULL && e->state[FS_HELD] > 0 &&
+            ffi_rollback(&e->arg, e->state[FS_HELD], &ignored) == 0)
+            e->state[FS_HELD] = 0;
+        free(ignored);
+    }
+}
+
+/* Take out of the held table what xgrammar_forced_run entered under `token`. Never raises
+   for a matcher that is not held (any more). */
+static PyObject *xgrammar_forced_release(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *token, *matchers;
+    if (!PyArg_ParseTuple(args, "OO", &token, &matchers)) return NULL;
+    Py_ssize_t n;
+    PyObject *const *items = sequence_items(matchers, &n);
+    if (n < 0) {
+        PyErr_SetString(PyExc_TypeError, "xgrammar_forced_release: a list or tuple of matchers");
+        return NULL;
+    }
+    if (env_held == NULL) Py_RETURN_NONE;
+    Py_INCREF(matchers);
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *key = PyLong_FromVoidPtr(items[c]);
+        if (key == NULL) {
+            Py_DECREF(matchers);
+            return NULL;
+        }
+        PyObject *holder = PyDict_GetItemWithError(env_held, key);
+        if (holder == token && PyDict_DelItem(env_held, key) != 0) PyErr_Clear();
+        PyErr_Clear();
+        Py_DECREF(key);
+    }
+    Py_DECREF(matchers);
+    Py_RETURN_NONE;
 }

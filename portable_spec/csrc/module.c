@@ -16,7 +16,7 @@
  *   llguidance.c     llguidance_walk: an llguidance matcher's walk, its methods called from C
  *   llguidance_entries.c  llguidance_walks, llguidance_masks: batches of them
  *   guidance.c       vllm_guidance: vLLM's guidance step, one llguidance call per request
- *   forced.c         xgrammar_forced_start/_step: forced_drafts' walk of xgrammar matchers
+ *   forced.c         xgrammar_forced_start/_step/_run: forced_drafts' walk of xgrammar matchers
  *   module.c         the module table
  *
  * The rule every entry keeps: every Python object and buffer the C reads without the GIL is
@@ -57,7 +57,7 @@
 #include "guidance.c"
 #include "forced.c"
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -87,11 +87,16 @@ static PyMethodDef methods[] = {
     {"xgrammar_bind_forced", xgrammar_bind_forced, METH_VARARGS,
      "xgrammar_bind_forced(find_jump_forward_string, is_completed)."},
     {"xgrammar_forced_start", xgrammar_forced_start, METH_VARARGS,
-     "xgrammar_forced_start(matchers, drafts, content_ends, state, out, rows) -> (asks, failed, "
-     "message) or None (GIL released)."},
+     "xgrammar_forced_start(matchers, drafts, content_ends, state, out, rows, replies) -> "
+     "(asks, failed, message, drafts) or None (GIL released)."},
     {"xgrammar_forced_step", xgrammar_forced_step, METH_VARARGS,
-     "xgrammar_forced_step(matchers, replies, state, out, rows) -> (asks, failed, message) or "
-     "None (GIL released)."},
+     "xgrammar_forced_step(matchers, answers, state, out, rows, replies) -> (asks, failed, "
+     "message, drafts) or None (GIL released)."},
+    {"xgrammar_forced_run", xgrammar_forced_run, METH_VARARGS,
+     "xgrammar_forced_run(matchers, drafts, limits, token, block, cap, words, replies) -> "
+     "(asks, failed, message, drafts) or None; the matchers held under token (GIL released)."},
+    {"xgrammar_forced_release", xgrammar_forced_release, METH_VARARGS,
+     "xgrammar_forced_release(token, matchers): what xgrammar_forced_run held."},
     {"xgrammar_grow", xgrammar_grow, METH_VARARGS,
      "xgrammar_grow(matchers, requests, limits, rows, parents, tokens, valid, live, start, end) "
      "-> (checked, rejected, failed, message) or None (GIL released)."},

@@ -33,7 +33,11 @@ import numpy as np
 
 from portable_spec import native
 from portable_spec.builder.reasoning import Reasoning, check_reasoning
-from portable_spec.drafting.batched import MAX_TOKENS, draft_xgrammar_batch
+from portable_spec.drafting.batched import (
+    MAX_TOKENS,
+    draft_xgrammar_batch,
+    draft_xgrammar_common,
+)
 from portable_spec.drafting.segment import Segmenter, segmenter_for
 from portable_spec.engines.cursor import Cursor, single_token, whole_characters
 from portable_spec.engines.generic import ProtocolCursor, generic_info
@@ -57,6 +61,7 @@ from portable_spec.grammars import (
     classify_grammars,
     matcher_kind,
 )
+from portable_spec.masks import MAX_VOCAB_SIZE, words_for
 from portable_spec.pending import hold_matchers, release_matchers
 from portable_spec.tree import host_array
 
@@ -77,7 +82,7 @@ _SHORT_PATH = True
 # xgrammar requests on the short path walk in batched compiled phases when the compiled helper
 # can call xgrammar (drafting.batched); False: each takes _draft_xgrammar (the tests compare)
 _BATCHED = True
-_BATCH_FROM = 4  # requests; fewer take _draft_xgrammar (the tests set it to 1)
+_BATCH_FROM = 1  # requests; fewer take _draft_xgrammar (the compiled phases win from one on)
 #: the requests set aside for the compiled phases: indices, drafts, reasoning starts, whether
 #: the first draft ends a reasoning
 _Later = tuple[list[int], list[list[int]], list[list[int]], list[bool]]
@@ -147,11 +152,30 @@ def forced_drafts(
     draft and forced token (then one rollback; llguidance and forking protocol matchers walk a
     fork instead), the engine's forced text, the tokenizer on forced texts not seen before
     (cached per text), and one mask fill where a forced text ends next to characters that
-    would merge with it or where the grammar may end. With the compiled helper, four or more
-    xgrammar requests are walked together in compiled phases (the GIL released), the same
-    calls and tokens (:mod:`portable_spec.drafting.batched`). Hold the matchers for the call:
-    do not move them from another thread meanwhile (another build over them is refused).
+    would merge with it or where the grammar may end. With the compiled helper, xgrammar
+    requests are walked together in compiled phases (the GIL released), the same calls and
+    tokens (:mod:`portable_spec.drafting.batched`); a call of probed xgrammar matchers, lists
+    of int drafts, int limits and no reasoning is checked and walked in one compiled call.
+    Hold the matchers for the call: do not move them from another thread meanwhile (another
+    build over them is refused).
     """
+    if (
+        tokenizer is not None
+        and reasoning is None
+        and type(matchers) in (list, tuple)
+        and len(matchers) >= _BATCH_FROM
+        and type(drafts) in (list, tuple)
+        and _SHORT_PATH
+        and _BATCHED
+        and native.forced_xgrammar()
+    ):  # the common call: checked, held and walked in compiled phases (None: anything else)
+        common = _common_limits(max_len, len(matchers))
+        words = _common_words(vocab_size)
+        if common is not None and words is not None:
+            segmenter = segmenter_for(tokenizer)
+            drafted = draft_xgrammar_common(matchers, drafts, common, words, segmenter)
+            if drafted is not None:
+                return drafted
     batch = _batch(matchers)
     rows = _drafts(drafts, batch)
     limits = _limits(max_len, batch)
@@ -267,8 +291,8 @@ def _draft_later(
     rows_of: dict[int, np.ndarray],
 ) -> None:
     """The xgrammar requests set aside for the compiled phases, into ``out``: walked in the
-    phases from :data:`_BATCH_FROM` requests on (below, the phases' fixed cost is more than
-    the per-request walk's), on the per-request path otherwise or where the helper declines."""
+    phases from :data:`_BATCH_FROM` requests on, on the per-request path otherwise or where
+    the helper declines."""
     index, rows, starts, content_ends = later
     drafted = None
     if len(index) >= _BATCH_FROM:
@@ -405,6 +429,33 @@ def _limits(max_len: Any, batch: int) -> list[int]:
     if len(max_len) != batch:
         raise ValueError(f"max_len has {len(max_len)} entries for {batch} matchers")
     return [one(v, f"max_len[{b}]") for b, v in enumerate(max_len)]
+
+
+def _common_limits(max_len: Any, batch: int) -> int | list[int] | None:
+    """``max_len`` when the common compiled call takes it (an int, or a list of ints, each
+    from 0 to ``MAX_TOKENS``, not all 0), else None (the checked path takes it)."""
+    if type(max_len) is int:
+        return max_len if 0 < max_len <= MAX_TOKENS else None
+    if (
+        type(max_len) is list
+        and len(max_len) == batch
+        and set(map(type, max_len)) <= _INTS
+        and min(max_len, default=0) >= 0
+        and 0 < max(max_len, default=0) <= MAX_TOKENS
+    ):
+        return max_len
+    return None
+
+
+def _common_words(vocab_size: Any) -> int | None:
+    """The mask row width (int32 words) the common compiled call walks with: the model's for
+    a plain ``vocab_size`` (a matcher wider than it declines the call: the checked path names
+    it), 0 without one (the widest matcher seen so far), else None."""
+    if vocab_size is None:
+        return 0
+    if type(vocab_size) is int and 0 < vocab_size <= MAX_VOCAB_SIZE:
+        return words_for(vocab_size)
+    return None
 
 
 def _own_facts(matchers: Sequence[Any]) -> tuple[list[int], list[MatcherInfo | None]]:

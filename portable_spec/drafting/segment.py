@@ -114,6 +114,9 @@ class Segmenter:
         self._encode = _encoder(tokenizer)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Segment] = OrderedDict()
+        #: forced text (UTF-8 bytes, as the engine gives it) -> the answer the compiled
+        #: phases take for it, packed (``drafting.batched``), read by them with the GIL held
+        self.replies: dict[bytes, bytes] = {}
         anchor = self._ids(_ANCHOR)
         plain = self._ids("a")
         behind = self._ids(_ANCHOR + "a")
@@ -181,6 +184,16 @@ class Segmenter:
             while len(self._cache) > _CACHED_TEXTS:
                 self._cache.popitem(last=False)
         return segment
+
+    def remember(self, key: bytes, reply: bytes) -> None:
+        """Keep ``reply`` as the answer to the forced text ``key`` (bounded: the oldest
+        entries leave first)."""
+        with self._lock:
+            replies = self.replies
+            replies.pop(key, None)
+            replies[key] = reply
+            while len(replies) > _CACHED_TEXTS:
+                del replies[next(iter(replies))]
 
     def _lcp(self, text: str, segment: Segment, probe: str) -> int:
         lcp = segment.lcps.get(probe)
