@@ -44,7 +44,7 @@ def check_parents(
     ``ValueError`` naming the first that is not (``where``: appended to the message).
     ``safe``: ``parents`` with -1 replaced by 0 (the caller has it; indexes only once the
     range is checked)."""
-    if parents.min() < -1 or parents.max() >= first:
+    if int(parents.min()) < -1 or int(parents.max()) >= first:
         wrong = (parents < -1) | (parents >= first)  # argwhere only now: it costs more
         b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(

@@ -115,6 +115,7 @@ class DraftSession:
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
+        self._layouts: dict[tuple[Any, ...], MaskLayout | None] = {}
         self._closed = False
         self._nodes = 1
         self._levels = 0
@@ -621,10 +622,18 @@ class DraftSession:
     def _layout(self, nodes: int, row_capacity: int | None, *, draft: bool) -> MaskLayout | None:
         """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
         request has a grammar). Raises before anything is computed."""
+        # a level's layout depends on its width and capacity alone: planned once per session
+        key = (nodes, type(row_capacity), row_capacity, draft)
+        if key in self._layouts:
+            return self._layouts[key]
         vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
-        layout = plan(self._backend, self._placement, self.batch, nodes, vocab, row_capacity)
-        if not self._constrained and row_capacity is None and not layout.collective:
-            return None
+        layout: MaskLayout | None = plan(
+            self._backend, self._placement, self.batch, nodes, vocab, row_capacity
+        )
+        if not self._constrained and row_capacity is None and not layout.collective:  # type: ignore[union-attr]
+            layout = None
+        if len(self._layouts) < 64:
+            self._layouts[key] = layout
         return layout
 
     def _deliver(self, block: np.ndarray, layout: MaskLayout | None, *, draft: bool) -> Any:
