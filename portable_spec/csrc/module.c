@@ -57,7 +57,7 @@
 #include "guidance.c"
 #include "forced.c"
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,

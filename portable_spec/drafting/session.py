@@ -140,6 +140,12 @@ class DraftSession:
                 self._states[b] = states
                 if states.max_depth is not None:
                     self._limited.append(b)
+            # the walked requests' root rows in one compiled call, else each engine's own
+            walked = self._start_walked()
+            for b in self._constrained:
+                if walked and kinds[b] == XGRAMMAR:
+                    continue
+                states = self._states[b]  # type: ignore[assignment]
                 try:
                     alive = states.start(rows[b])
                 except BaseException as exc:
@@ -151,6 +157,37 @@ class DraftSession:
             self.close()
             raise
         self.timings["grammar_s"] += time.perf_counter() - started
+
+    def _start_walked(self) -> bool:
+        """The walked requests' root rows and live flags by the compiled walk (their matchers
+        stay where they are); False, nothing written, when the helper cannot do it."""
+        sub = self._walked
+        if not sub:
+            return False
+        self._walked_index = np.asarray(sub, dtype=np.int64)
+        self._walked_limits = self._limits[self._walked_index]
+        self._walked_matchers = [self._grammars[b] for b in sub]
+        done = native.grow_xgrammar(
+            self._walked_matchers,
+            self._walked_index,
+            self._walked_limits,
+            self._rows,
+            self._parents,
+            self._tokens,
+            self._valid,
+            self._live,
+            0,
+            1,
+        )
+        if done is None:
+            return False
+        failed, message, _, _ = done
+        if failed >= 0:
+            raise MatcherError(sub[failed], RuntimeError(message))
+        for b in sub:
+            if self._live[b, 0]:
+                self._states[b].started()  # type: ignore[union-attr]
+        return True
 
     # -- storage ------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
