@@ -116,6 +116,7 @@ class DraftSession:
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
         self._layouts: dict[tuple[Any, ...], MaskLayout | None] = {}
+        self._padding_slots = False  # whether a level added so far had a padding slot
         self._closed = False
         self._nodes = 1
         self._levels = 0
@@ -381,24 +382,28 @@ class DraftSession:
         t1 = time.perf_counter()
         k = parents.shape[1]
         where = " (a level added with masks=False)" if pending else ""
-        pad = parents < 0
-        padded = bool(pad.any())
-        safe_parent = np.where(pad, 0, parents) if padded else parents
-        check_parents(first, parents, safe_parent, self._parents, where)
+        found = check_parents(
+            first, parents, self._parents, where, padding_slots=self._padding_slots
+        )
+        padded = found is not None
+        safe_parent = np.where(found, 0, parents) if padded else parents
         self._grow(first + k)
         columns = slice(first, first + k)
         rows_b = self._batch_rows
         if self._limited:  # depths only matter to engines that bound them
             depth = self._depth[rows_b, safe_parent] + 1
             if padded:
-                depth[pad] = 0
+                depth[found] = 0
             check_depths(self._states, self._limited, depth, where)
             self._depth[:, columns] = depth
 
         # writes below stay invisible until self._nodes moves past them
+        if padded:
+            self._padding_slots = True  # later levels look their parents up
         self._parents[:, columns] = parents
-        self._tokens[:, columns] = np.where(pad, 0, tokens) if padded else tokens
+        self._tokens[:, columns] = np.where(found, 0, tokens) if padded else tokens
         if self._forked or self._unconstrained:
+            pad = found if found is not None else np.zeros(parents.shape, dtype=bool)
             self._decide_others(first, parents, tokens, pad, safe_parent)
         if walk:
             try:
