@@ -488,7 +488,8 @@ def grow_xgrammar(
     """Decide the new nodes ``start .. end - 1`` of draft trees grown level by level (a
     :class:`portable_spec.DraftSession`'s), each request's xgrammar matcher moved through its
     single-step methods with the GIL released: one accept and one fill per new node, never a
-    refill of a node decided before.
+    refill of a node decided before. With ``start`` 0 the root is new too: its row is the
+    matcher's own (all-allowed when the matcher has ended), valid, live unless ended.
 
     Args:
         matchers: the xgrammar matcher of each listed request (probed by the library, at most

@@ -4,7 +4,8 @@
 #   2. the index kernels' C tests (tests/native/), under AddressSanitizer and UBSan;
 #   3. the helper built with AddressSanitizer and UndefinedBehaviorSanitizer into a copy of
 #      the package, and the tests of the compiled entries and of threads changing what a
-#      build reads run against it (any report fails the run); of the llguidance vocabulary
+#      build reads run against it, and the draft sessions' level-by-level walks (any report
+#      fails the run); of the llguidance vocabulary
 #      tests, the randomized compiled-against-fallback one and the 130 padded chains (the
 #      route matrix runs in scripts/test.sh only: the C it reaches is the same).
 # Extra arguments go to pytest in step 3.
@@ -53,6 +54,7 @@ cd "$tree"
   tests/test_native.py tests/test_threads.py tests/test_xgrammar_ffi.py tests/test_small_trees.py \
   tests/test_chain_lists.py tests/test_vllm_fast.py tests/test_vllm_guidance.py \
   tests/test_llguidance_paths.py tests/test_native_bounds.py tests/test_forced_drafts.py \
+  tests/test_drafting.py \
   tests/test_llguidance_vocabulary.py::test_compiled_equals_fallback_with_drafts_past_the_vocabulary \
   tests/test_llguidance_vocabulary.py::test_many_chains_with_padding_drafts_leave_every_matcher_usable \
   "$@"

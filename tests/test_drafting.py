@@ -496,6 +496,7 @@ def test_xgrammar_levels_ask_the_grammar_about_their_new_nodes_only(smollm2, tok
     toks = tok.encode('{"name": "Alice", "age": 30, "email": "al')
     depth = len(toks)
     with ps.DraftSession(matchers, smollm2.size) as s:
+        assert grows == [(0, 1, 0)]  # the roots' rows: one compiled call, no token asked
         s.extend([[0, 0]] * 3, [[toks[0], 7]] * 3)
         for d in range(1, depth - 3):  # a chain with a refused sibling at every level
             first = s.nodes
@@ -503,7 +504,7 @@ def test_xgrammar_levels_ask_the_grammar_about_their_new_nodes_only(smollm2, tok
             assert grows[-1] == (first, first + 2, 4)  # two children per xgrammar request
         for d in range(depth - 3, depth):  # the last three staged, decided together
             s.extend([[s.nodes - 2, -1]] * 3, [[toks[d], 0]] * 3, masks=False)
-        assert len(grows) == depth - 3
+        assert len(grows) == depth - 2
         mask = s.verify_mask()
         assert grows[-1] == (2 * depth - 5, s.nodes, 6) and not wholes
         tree = _tree(s.tree())
@@ -590,9 +591,10 @@ def test_grown_levels_match_per_node_replay(smollm2, tok, monkeypatch, shape):
                 chosen = [*rng.permutation(firsts), *rng.permutation(others)]
                 frontier[b] = [int(v) for v in chosen[:frontier_width]]
             assert grows[-1][:2] == (first, first + k) or last
-        assert not wholes and len(grows) == depth - 1
+        assert grows[0] == (0, 1, 0)  # the roots' rows, one compiled call
+        assert not wholes and len(grows) == depth
         mask = np.asarray(s.verify_mask())
-        assert len(grows) == depth and grows[-1][:2] == (first, first + k)
+        assert len(grows) == depth + 1 and grows[-1][:2] == (first, first + k)
         valid = s.valid()
         nodes = s.nodes
     assert matcher_prints(matchers, words, PROBE) == before

@@ -13,6 +13,9 @@
    depth-first order, accepting each ancestor once per call on the way down and rolling back
    on the way up, and is back where it started when the call returns, also after an error.
 
+   With start 0 the root (node 0) is new too: its row is the matcher's own (all-allowed when
+   the matcher has ended: valid, not live), no token accepted for it.
+
    Nothing the walk reads without the GIL belongs to the caller but the rows and flags it
    holds for the call: parents, tokens and the live flags of decided nodes are private
    copies, every index read from them is bounded where it is used. */
@@ -124,9 +127,27 @@ static int grow_entry(Grow *g, Py_ssize_t c, GrowScratch *s) {
     int64_t b = g->requests[c], limit = g->limits[c], width = g->widths[c];
     int32_t *rows = g->rows + b * g->capacity * words;
     uint8_t *valid_out = g->valid_out + b * g->capacity, *live_out = g->live_out + b * g->capacity;
-    Py_ssize_t count = 0;
+    Py_ssize_t count = 0, first = g->start;
+    int failed = 0;
+    if (first == 0) { /* the root: the matcher's own state, valid; live unless it ended */
+        int32_t *row = rows;
+        live[0] = live_out[0] = 0;
+        valid_out[0] = 1;
+        int ended = ffi_is_terminated(&w->args[c], &w->error);
+        if (ended < 0) {
+            failed = 1;
+        } else if (ended) {
+            ps_fill_rows(rows, words, 0, 1, NULL, 0);
+        } else if (ffi_fill(&w->args[c], row, width, &w->error) != 0) {
+            failed = 1;
+        } else {
+            if (width < words) memset(row + width, 0, (size_t)(words - width) * sizeof(int32_t));
+            live[0] = live_out[0] = 1;
+        }
+        first = 1;
+    }
     grow_ranks(parents, end, s);
-    for (Py_ssize_t v = g->start; v < end; v++) {
+    for (Py_ssize_t v = first; v < end && !failed; v++) {
         int64_t p = parents[v];
         live[v] = 0;
         valid_out[v] = live_out[v] = 0;
@@ -135,7 +156,6 @@ static int grow_entry(Grow *g, Py_ssize_t c, GrowScratch *s) {
     }
     qsort(s->order, (size_t)count, sizeof(int64_t), by_key);
     Py_ssize_t depth = 0;
-    int failed = 0;
     for (Py_ssize_t i = 0; i < count && !failed; i++) {
         int64_t v = s->order[i] & 0xFFFFFFFF, p = parents[v], t = tokens[v];
         int32_t *row = rows + v * words;
@@ -266,7 +286,7 @@ static PyObject *xgrammar_grow(PyObject *self, PyObject *args) {
         goto done;
     if (a[1].view.shape[0] != count || a[3].view.shape[0] != batch ||
         a[3].view.shape[1] != capacity || a[4].view.shape[0] != batch ||
-        a[4].view.shape[1] != capacity || start < 1 || end < start || end > capacity ||
+        a[4].view.shape[1] != capacity || start < 0 || end < start || end > capacity ||
         end > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "xgrammar_grow: arrays or node range malformed");
         goto done;

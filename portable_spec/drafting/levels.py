@@ -37,22 +37,32 @@ def node_states(kind: int, matcher: Any, info: MatcherInfo, words: int) -> NodeS
 
 
 def check_parents(
-    first: int, parents: np.ndarray, safe: np.ndarray, tree_parents: np.ndarray, where: str
-) -> None:
+    first: int,
+    parents: np.ndarray,
+    tree_parents: np.ndarray,
+    where: str,
+    *,
+    padding_slots: bool = True,
+) -> np.ndarray | None:
     """A level's parent ids (int64 ``[batch, k]``) must be nodes ``0..first-1`` of the tree so
     far (``tree_parents``: int64 ``[batch, capacity]``) that are not padding slots, or -1;
     ``ValueError`` naming the first that is not (``where``: appended to the message).
-    ``safe``: ``parents`` with -1 replaced by 0 (the caller has it; indexes only once the
-    range is checked)."""
-    if parents.min() < -1 or parents.max() >= first:
+    ``padding_slots``: False when the tree so far has no padding slot (nothing to look up).
+
+    Returns the level's own padding slots (bool ``[batch, k]``, ``parents == -1``), or None
+    when it has none."""
+    low, high = int(parents.min()), int(parents.max())
+    if low < -1 or high >= first:
         wrong = (parents < -1) | (parents >= first)  # argwhere only now: it costs more
         b, j = (int(x) for x in np.argwhere(wrong)[0])
         raise ValueError(
             f"parents[{b}, {j}] = {int(parents[b, j])} is not a node of the tree{where}: "
             f"parents must be existing nodes 0..{first - 1}, or -1 for a padding slot"
         )
-    if first == 1:
-        return  # the root alone: nothing else to name
+    pad = parents < 0 if low < 0 else None
+    if first == 1 or not padding_slots:
+        return pad  # the root alone, or no padding slot to name
+    safe = parents if pad is None else np.where(pad, 0, parents)
     # a parent whose own parent is -1 is a padding slot, unless it is the root
     wrong = (tree_parents[np.arange(parents.shape[0])[:, None], safe] < 0) & (safe > 0)
     if wrong.any():
@@ -61,6 +71,7 @@ def check_parents(
             f"parents[{b}, {j}] = {int(parents[b, j])} is a padding slot{where} (its "
             "parent was -1): padding has no children"
         )
+    return pad
 
 
 def check_depths(

@@ -115,6 +115,8 @@ class DraftSession:
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
+        self._layouts: dict[tuple[Any, ...], MaskLayout | None] = {}
+        self._padding_slots = False  # whether a level added so far had a padding slot
         self._closed = False
         self._nodes = 1
         self._levels = 0
@@ -139,6 +141,12 @@ class DraftSession:
                 self._states[b] = states
                 if states.max_depth is not None:
                     self._limited.append(b)
+            # the walked requests' root rows in one compiled call, else each engine's own
+            walked = self._start_walked()
+            for b in self._constrained:
+                if walked and kinds[b] == XGRAMMAR:
+                    continue
+                states = self._states[b]  # type: ignore[assignment]
                 try:
                     alive = states.start(rows[b])
                 except BaseException as exc:
@@ -150,6 +158,37 @@ class DraftSession:
             self.close()
             raise
         self.timings["grammar_s"] += time.perf_counter() - started
+
+    def _start_walked(self) -> bool:
+        """The walked requests' root rows and live flags by the compiled walk (their matchers
+        stay where they are); False, nothing written, when the helper cannot do it."""
+        sub = self._walked
+        if not sub:
+            return False
+        self._walked_index = np.asarray(sub, dtype=np.int64)
+        self._walked_limits = self._limits[self._walked_index]
+        self._walked_matchers = [self._grammars[b] for b in sub]
+        done = native.grow_xgrammar(
+            self._walked_matchers,
+            self._walked_index,
+            self._walked_limits,
+            self._rows,
+            self._parents,
+            self._tokens,
+            self._valid,
+            self._live,
+            0,
+            1,
+        )
+        if done is None:
+            return False
+        failed, message, _, _ = done
+        if failed >= 0:
+            raise MatcherError(sub[failed], RuntimeError(message))
+        for b in sub:
+            if self._live[b, 0]:
+                self._states[b].started()  # type: ignore[union-attr]
+        return True
 
     # -- storage ------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
@@ -343,24 +382,28 @@ class DraftSession:
         t1 = time.perf_counter()
         k = parents.shape[1]
         where = " (a level added with masks=False)" if pending else ""
-        pad = parents < 0
-        padded = bool(pad.any())
-        safe_parent = np.where(pad, 0, parents) if padded else parents
-        check_parents(first, parents, safe_parent, self._parents, where)
+        found = check_parents(
+            first, parents, self._parents, where, padding_slots=self._padding_slots
+        )
+        padded = found is not None
+        safe_parent = np.where(found, 0, parents) if padded else parents
         self._grow(first + k)
         columns = slice(first, first + k)
         rows_b = self._batch_rows
         if self._limited:  # depths only matter to engines that bound them
             depth = self._depth[rows_b, safe_parent] + 1
             if padded:
-                depth[pad] = 0
+                depth[found] = 0
             check_depths(self._states, self._limited, depth, where)
             self._depth[:, columns] = depth
 
         # writes below stay invisible until self._nodes moves past them
+        if padded:
+            self._padding_slots = True  # later levels look their parents up
         self._parents[:, columns] = parents
-        self._tokens[:, columns] = np.where(pad, 0, tokens) if padded else tokens
+        self._tokens[:, columns] = np.where(found, 0, tokens) if padded else tokens
         if self._forked or self._unconstrained:
+            pad = found if found is not None else np.zeros(parents.shape, dtype=bool)
             self._decide_others(first, parents, tokens, pad, safe_parent)
         if walk:
             try:
@@ -621,10 +664,18 @@ class DraftSession:
     def _layout(self, nodes: int, row_capacity: int | None, *, draft: bool) -> MaskLayout | None:
         """Check and plan a mask of ``batch * nodes`` rows (None: nothing to upload, no
         request has a grammar). Raises before anything is computed."""
+        # a level's layout depends on its width and capacity alone: planned once per session
+        key = (nodes, type(row_capacity), row_capacity, draft)
+        if key in self._layouts:
+            return self._layouts[key]
         vocab = self._draft.size if draft and self._draft is not None else self.vocab_size
-        layout = plan(self._backend, self._placement, self.batch, nodes, vocab, row_capacity)
-        if not self._constrained and row_capacity is None and not layout.collective:
-            return None
+        layout: MaskLayout | None = plan(
+            self._backend, self._placement, self.batch, nodes, vocab, row_capacity
+        )
+        if not self._constrained and row_capacity is None and not layout.collective:  # type: ignore[union-attr]
+            layout = None
+        if len(self._layouts) < 64:
+            self._layouts[key] = layout
         return layout
 
     def _deliver(self, block: np.ndarray, layout: MaskLayout | None, *, draft: bool) -> Any:

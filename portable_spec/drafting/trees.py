@@ -50,7 +50,11 @@ class StagedColumns:
                 owner = backend if backend is not None and backend.owns(array) else None
                 if owner is None:
                     owner = backend_for(array)
-                shape = tuple(integer_info(name, array, owner).shape)
+                host = _host_view(owner, array)
+                if host is not None:  # already in host memory (a CPU tensor): its numpy view
+                    array, shape, owner = host, host.shape, None
+                else:
+                    shape = tuple(integer_info(name, array, owner).shape)
             given = tuple(shape)
             if len(shape) == 1 and batch == 1:
                 shape = (1, shape[0])
@@ -83,6 +87,22 @@ class StagedColumns:
             for i, host in zip(picked, handle.resolve(), strict=True):
                 hosts[i] = host
         return [as_int64(host, self.shape) for host in hosts]
+
+
+def _host_view(owner: Backend, array: Any) -> np.ndarray | None:
+    """``array``'s numpy view when it is an integer array its framework keeps in host memory
+    (a CPU torch tensor): nothing to stage, no copy to wait for. None otherwise (device arrays,
+    JAX arrays, which may still be computing, anything the framework's checks refuse: the
+    staging path checks those and names what is wrong)."""
+    try:
+        if owner.device_of(array) is not None:
+            return None
+        host = owner.to_host(array)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if type(host) is not np.ndarray or host.dtype.kind not in "iu":
+        return None
+    return host
 
 
 def check_selection(

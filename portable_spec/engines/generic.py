@@ -139,6 +139,11 @@ class ForkStates(NodeStates):
         self.states[0] = self.matcher
         return True
 
+    def started(self) -> None:
+        """The root's row was filled by a compiled walk (the matcher live): the matcher is
+        the root's state, as after :meth:`start`."""
+        self.states[0] = self.matcher
+
     def grow(
         self,
         items: Sequence[tuple[int, int, int]],
