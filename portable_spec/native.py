@@ -129,7 +129,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 
 def _load() -> ModuleType | None:

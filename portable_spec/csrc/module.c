@@ -57,7 +57,7 @@
 #include "guidance.c"
 #include "forced.c"
 
-#define ABI_VERSION 8
+#define ABI_VERSION 9
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
