@@ -162,12 +162,22 @@ class DraftSession:
     def _start_walked(self) -> bool:
         """The walked requests' root rows and live flags by the compiled walk (their matchers
         stay where they are); False, nothing written, when the helper cannot do it."""
-        sub = self._walked
-        if not sub:
+        if not self._walked or not self._grow_walked(0, 1):
             return False
-        self._walked_index = np.asarray(sub, dtype=np.int64)
-        self._walked_limits = self._limits[self._walked_index]
-        self._walked_matchers = [self._grammars[b] for b in sub]
+        for b in self._walked:
+            if self._live[b, 0]:
+                self._states[b].started()  # type: ignore[union-attr]
+        return True
+
+    def _grow_walked(self, start: int, end: int) -> bool:
+        """:func:`portable_spec.native.grow_xgrammar` over the walked requests' nodes ``start
+        .. end - 1`` (node 0: the roots); False, nothing written, when the helper declines. A
+        matcher's failure is raised as :class:`MatcherError` naming its request."""
+        sub = self._walked
+        if self._walked_index is None:
+            self._walked_index = np.asarray(sub, dtype=np.int64)
+            self._walked_limits = self._limits[self._walked_index]
+            self._walked_matchers = [self._grammars[b] for b in sub]
         done = native.grow_xgrammar(
             self._walked_matchers,
             self._walked_index,
@@ -177,17 +187,14 @@ class DraftSession:
             self._tokens,
             self._valid,
             self._live,
-            0,
-            1,
+            start,
+            end,
         )
         if done is None:
             return False
         failed, message, _, _ = done
         if failed >= 0:
             raise MatcherError(sub[failed], RuntimeError(message))
-        for b in sub:
-            if self._live[b, 0]:
-                self._states[b].started()  # type: ignore[union-attr]
         return True
 
     # -- storage ------------------------------------------------------------------------------
@@ -484,31 +491,10 @@ class DraftSession:
         accept and one fill each, its ancestors accepted on the way: see
         :func:`portable_spec.native.grow_xgrammar`). Otherwise one compiled walk of each
         request's tree of nodes ``0 .. end - 1``, which refills every earlier node's row."""
-        sub = self._walked
-        if not sub or end <= start:
+        if not self._walked or end <= start:
             return
-        if self._walked_index is None:
-            self._walked_index = np.asarray(sub, dtype=np.int64)
-            self._walked_limits = self._limits[self._walked_index]
-            self._walked_matchers = [self._grammars[b] for b in sub]
-        done = native.grow_xgrammar(
-            self._walked_matchers,
-            self._walked_index,
-            self._walked_limits,
-            self._rows,
-            self._parents,
-            self._tokens,
-            self._valid,
-            self._live,
-            start,
-            end,
-        )
-        if done is None:
+        if not self._grow_walked(start, end):
             self._walk_whole(start, end)
-            return
-        failed, message, _, _ = done
-        if failed >= 0:
-            raise MatcherError(sub[failed], RuntimeError(message))
 
     def _walk_whole(self, start: int, end: int) -> None:
         """:meth:`_walk` by one compiled walk of the whole tree so far (a node is live when
