@@ -477,6 +477,36 @@ def test_the_xgrammar_short_path_drafts_what_its_cursor_drafts(tok, compiler, mo
                 assert m.accept_token(t)
 
 
+def _schema_cases(compiler, flexible: bool) -> list[tuple[Engine, object]]:
+    """An xgrammar engine of each schema workload, with the instance whose output it walks."""
+    return [
+        (Engine("xgrammar", compiler, None, T.SCHEMA_WORKLOADS[name][0], flexible), instance)
+        for name, instance in sorted(INSTANCES.items())
+    ]
+
+
+def _random_request(rng, tok, cases, eos: int):
+    """A fresh matcher of a random case moved to a random position of its output (the end
+    token included), and a proposal there: the output's next 0 to 8 tokens, as they are, one
+    of them replaced by a random token, padded with -1, or followed by an id past the
+    vocabulary. Returns ``(engine, matcher, tokens accepted, proposal)``."""
+    engine, instance = cases[int(rng.integers(len(cases)))]
+    ids = [*output_tokens(tok, instance), eos]
+    at = int(rng.integers(0, len(ids)))
+    m = engine.fresh()
+    for t in ids[:at]:
+        assert m.accept_token(t)
+    ahead = list(ids[at : at + int(rng.integers(0, 9))])
+    kind = int(rng.integers(5))
+    if kind == 1 and ahead:
+        ahead[int(rng.integers(len(ahead)))] = int(rng.integers(VOCAB))
+    elif kind == 2:
+        ahead += [-1, -1]
+    elif kind == 3:
+        ahead.append(VOCAB + 3)
+    return engine, m, ids[:at], ahead
+
+
 def test_the_compiled_phases_draft_what_the_python_walk_drafts(tok, compiler, route, monkeypatch):
     """Batches of xgrammar requests at random positions of both schema workloads, with random
     proposals (the output's next tokens, a refused token, padding, the end token), random
@@ -489,33 +519,17 @@ def test_the_compiled_phases_draft_what_the_python_walk_drafts(tok, compiler, ro
     rng = np.random.default_rng(45)
     eos, think_end = 2, tok.convert_tokens_to_ids("\n")
     for flexible in (True, False):
-        cases = []
-        for name, instance in sorted(INSTANCES.items()):
-            schema = T.SCHEMA_WORKLOADS[name][0]
-            cases.append((Engine("xgrammar", compiler, None, schema, flexible), instance))
+        cases = _schema_cases(compiler, flexible)
         for _ in range(12):
             batch = int(rng.integers(1, 24))
             matchers, proposals, committed, engines = [], [], [], []
             for _ in range(batch):
-                engine, instance = cases[int(rng.integers(len(cases)))]
-                ids = [*output_tokens(tok, instance), eos]
-                at = int(rng.integers(0, len(ids)))
-                m = engine.fresh()
-                for t in ids[:at]:
-                    assert m.accept_token(t)
-                ahead = list(ids[at : at + int(rng.integers(0, 9))])
-                kind = int(rng.integers(5))
-                if kind == 1 and ahead:
-                    ahead[int(rng.integers(len(ahead)))] = int(rng.integers(VOCAB))
-                elif kind == 2:
-                    ahead += [-1, -1]
-                elif kind == 3:
-                    ahead.append(VOCAB + 3)
+                engine, m, done, ahead = _random_request(rng, tok, cases, eos)
                 if len(matchers) % 5 == 4:  # reasoning (when asked): free tokens, its end
                     ahead = [*tok.encode("so", add_special_tokens=False), think_end, *ahead]
                 matchers.append(m)
                 proposals.append(ahead)
-                committed.append(ids[:at])
+                committed.append(done)
                 engines.append(engine)
             limits = [int(x) for x in rng.integers(0, 13, size=batch)]
             reasoning = ps.Reasoning(
@@ -599,31 +613,15 @@ def test_the_common_call_drafts_what_the_python_walk_drafts(tok, compiler, route
     rng = np.random.default_rng(4545)
     eos = 2
     for flexible in (True, False):
-        cases = []
-        for name, instance in sorted(INSTANCES.items()):
-            schema = T.SCHEMA_WORKLOADS[name][0]
-            cases.append((Engine("xgrammar", compiler, None, schema, flexible), instance))
+        cases = _schema_cases(compiler, flexible)
         for _ in range(10):
             batch = int(rng.integers(1, 40))
             matchers, proposals, committed, engines = [], [], [], []
             for b in range(batch):
-                engine, instance = cases[int(rng.integers(len(cases)))]
-                ids = [*output_tokens(tok, instance), eos]
-                at = int(rng.integers(0, len(ids)))
-                m = engine.fresh()
-                for t in ids[:at]:
-                    assert m.accept_token(t)
-                ahead = list(ids[at : at + int(rng.integers(0, 9))])
-                kind = int(rng.integers(5))
-                if kind == 1 and ahead:
-                    ahead[int(rng.integers(len(ahead)))] = int(rng.integers(VOCAB))
-                elif kind == 2:
-                    ahead += [-1, -1]
-                elif kind == 3:
-                    ahead.append(VOCAB + 3)
+                engine, m, done, ahead = _random_request(rng, tok, cases, eos)
                 matchers.append(m)
                 proposals.append(tuple(ahead) if b % 7 == 6 else ahead)
-                committed.append(ids[:at])
+                committed.append(done)
                 engines.append(engine)
             if rng.integers(2):
                 limit: int | list[int] = int(rng.integers(1, 13))
