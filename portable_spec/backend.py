@@ -204,6 +204,14 @@ class Backend(ABC):
         If it raises, the buffer has gone back to the pool (the caller must not release it).
         """
 
+    def host_mask(self, array: np.ndarray, device: Any = None) -> Any:
+        """This framework's array sharing the memory of ``array`` (a filled int32
+        ``[rows, words]`` host mask the caller lends for good: it never writes it again) when
+        ``device`` keeps masks in host memory, so that nothing has to be transferred; ``None``
+        otherwise (the caller uploads a buffer from :meth:`acquire_host_mask` instead). Never
+        blocks. The default: ``None``."""
+        return None
+
     # -- apply -----------------------------------------------------------------------------------
     @abstractmethod
     def apply_vocab_mask(self, logits: Any, mask: Any, vocab_size: int | None = None) -> Any:

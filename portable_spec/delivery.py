@@ -13,6 +13,10 @@ rows (:func:`portable_spec.build_grammar_vocab_mask`, :class:`portable_spec.Draf
 
 The arrangement moves the built rows (``b * nodes + j``, at the start of the host buffer) to
 where the backend's placement wants them and makes every other row all-allowed (-1).
+
+A :class:`portable_spec.DraftSession` whose masks stay in host memory (numpy, a CPU tensor:
+:meth:`Backend.host_mask`) makes one call per drafted level; it fills and settles each mask the
+same way but in rows carved from one lent block per session, with nothing to upload.
 """
 
 from __future__ import annotations

@@ -642,6 +642,54 @@ def test_xgrammar_levels_without_the_compiled_steps_walk_the_whole_tree(smollm2,
         assert s.valid()[0].tolist() == [True, True, False, True, False, True, False, True, False]
 
 
+# -- masks in host memory -------------------------------------------------------------------------
+def test_host_masks_outlive_their_session_and_share_nothing(smollm2, tok):
+    """Host masks (numpy, a CPU tensor) are carved from one lent block per session: each mask
+    keeps the rows it was returned with through later levels (a tree outgrowing its block
+    included), the session's close and the sessions after it, writing into one changes no
+    other, and the blocks go back to their pool once the masks are gone."""
+    from portable_spec.drafting import session as session_module
+
+    pool = session_module._outputs
+    lent = pool.stats()["lent"]
+    grammar = smollm2.grammars["json_schema"]
+    start = tok.encode('{"')
+
+    def matchers():
+        out = []
+        for _ in range(3):
+            m = xgr.GrammarMatcher(grammar)
+            for t in start:
+                assert m.accept_token(t)
+            out.append(m)
+        return out
+
+    def grow(seed):
+        rng = np.random.default_rng(seed)
+        with ps.DraftSession(matchers(), smollm2.size, max_nodes=2) as s:
+            masks = [s.root_mask()]
+            for _ in range(4):
+                parents = np.tile(np.arange(s.nodes - 2 if s.nodes > 1 else 0, s.nodes), (3, 1))
+                tokens = rng.integers(0, smollm2.size, parents.shape)
+                masks.append(s.extend(parents[:, -2:], tokens[:, -2:]))
+            masks.append(s.verify_mask())
+            want = ps.build_grammar_vocab_mask(matchers(), _tree(s.tree()), smollm2.size)
+        np.testing.assert_array_equal(masks[-1], want)
+        return masks, [np.array(m, copy=True) for m in masks]
+
+    masks, copies = grow(0)
+    masks[1][0] = 7  # the caller's to write: no other mask sees it
+    copies[1][0] = 7
+    for seed in (1, 2):
+        grow(seed)
+    for mask, copy in zip(masks, copies, strict=True):
+        np.testing.assert_array_equal(mask, copy)
+    assert pool.stats()["lent"] > lent
+    del masks, mask
+    gc.collect()
+    assert pool.stats()["lent"] == lent
+
+
 # -- unconstrained and mixed batches -----------------------------------------------------------------
 def test_batches_without_grammars(smollm2):
     with ps.DraftSession([None, None], smollm2.size) as s:

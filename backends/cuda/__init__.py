@@ -105,6 +105,15 @@ class TorchBackend(Backend):
             raise
         return upload_mask(buffer, target, self.pool, self.host_pool)
 
+    def host_mask(self, array: np.ndarray, device: Any = None) -> torch.Tensor | None:
+        """A CPU tensor over ``array`` for the CPU (``None``); None for an accelerator, or a
+        device argument :meth:`upload` would refuse (it names what is wrong)."""
+        try:
+            target = resolve_device(device)
+        except (TypeError, ValueError):
+            return None
+        return torch.from_numpy(array) if target.type == "cpu" else None
+
     def apply_vocab_mask(
         self, logits: Any, mask: Any, vocab_size: int | None = None
     ) -> torch.Tensor:

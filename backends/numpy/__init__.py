@@ -65,6 +65,11 @@ class NumpyBackend(Backend):
             raise ValueError(f"the numpy backend has no device {device!r}")
         return self.pool.lend(buffer)
 
+    def host_mask(self, array: np.ndarray, device: Any = None) -> np.ndarray | None:
+        """``array`` itself (every numpy mask lives in host memory); None for a device this
+        backend does not have (the upload then names it)."""
+        return array if device in (None, "cpu") else None
+
     def apply_vocab_mask(self, logits: Any, mask: Any, vocab_size: int | None = None) -> np.ndarray:
         """In place on ``logits``; returns it. Synchronous."""
         return apply_vocab_mask_numpy(logits, mask, vocab_size)

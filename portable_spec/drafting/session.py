@@ -35,6 +35,10 @@ __all__ = ["DraftSession", "forced_tokens"]
 # The session's host copy of every node's row, reused from session to session (a fresh
 # multi-megabyte block per step costs page faults).
 _stores = HostBufferPool(max_free=4)
+# Blocks the masks of a session that stay in host memory are carved from: one block lent per
+# session (and per row width) instead of a buffer taken and lent per level; a block returns
+# here once the session and every mask carved from it are gone.
+_outputs = HostBufferPool(max_free=4)
 
 
 class DraftSession:
@@ -116,6 +120,10 @@ class DraftSession:
         for b in self._constrained:
             self._limits[b] = min(self.vocab_size, infos[b].vocab_size)  # type: ignore[union-attr]
         self._layouts: dict[tuple[Any, ...], MaskLayout | None] = {}
+        # masks in host memory: carved from lent blocks, {words: (block, rows used)}
+        self._outbox: dict[int, tuple[np.ndarray, int]] = {}
+        self._host_masks = self._backend.host_mask(np.empty((0, 1), np.int32), self._placement)
+        self._host_masks = self._host_masks is not None
         self._padding_slots = False  # whether a level added so far had a padding slot
         self._closed = False
         self._nodes = 1
@@ -260,6 +268,7 @@ class DraftSession:
         self._closed = True
         self._pending.clear()
         self._grammars = []
+        self._outbox = {}  # masks already returned keep their block
         for states in self._states if hasattr(self, "_states") else ():
             if states is not None:
                 states.close()
@@ -695,9 +704,26 @@ class DraftSession:
                 fill(host[:built])
             return settle_dense(host, layout, constrained, True)
 
-        uploaded, _ = deliver(self._backend, layout, words, build)
+        if self._host_masks and not layout.collective:  # nothing to transfer: carve, wrap
+            host = self._carve(layout.host_rows, words)
+            uploaded = (
+                None if build(host) is None else self._backend.host_mask(host, layout.placement)
+            )
+        else:
+            uploaded, _ = deliver(self._backend, layout, words, build)
         self.timings["upload_s"] += time.perf_counter() - t0
         return uploaded
+
+    def _carve(self, rows: int, words: int) -> np.ndarray:
+        """The next ``rows`` unused rows (int32 ``[rows, words]``, contents undefined) of this
+        session's lent output block of that width; a fresh block, room for the whole tree,
+        when the block is full."""
+        block, used = self._outbox.get(words, (None, 0))
+        if block is None or used + rows > block.shape[0]:
+            size = max(rows, self.batch * (self._capacity + 1))
+            block, used = _outputs.lend(_outputs.acquire((size, words), np.int32)), 0
+        self._outbox[words] = (block, used + rows)
+        return block[used : used + rows]
 
 
 def forced_tokens(
