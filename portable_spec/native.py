@@ -129,7 +129,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 def _load() -> ModuleType | None:
@@ -249,6 +249,39 @@ def links_valid(next_token: np.ndarray, next_sibling: np.ndarray) -> bool:
     """
     helper = native
     return helper is not None and bool(helper.links_valid(next_token, next_sibling))
+
+
+def tree_matches(
+    next_token: np.ndarray,
+    next_sibling: np.ndarray,
+    draft: np.ndarray,
+    select: np.ndarray,
+    parents: np.ndarray,
+    tokens: np.ndarray,
+) -> bool | None:
+    """Whether verify trees are the selected subtrees of drafted trees, in one compiled pass
+    (GIL released).
+
+    Args:
+        next_token, next_sibling, draft: C-contiguous int64 ``[batch, m]``: each verify tree's
+            first-child / next-sibling links and tokens.
+        select: C-contiguous int64 ``[batch, m]``: the drafted node at each verify node (-1:
+            padding).
+        parents, tokens: C-contiguous int64 ``[batch, n]``: the drafted trees (parent -1: the
+            root, padding slots).
+
+    Returns:
+        True when every request's links are well formed (the rules of
+        :func:`portable_spec.topology.validate_links`), each verify node's parent by the links
+        is the verify node selecting its drafted node's parent (-1 where there is none) and
+        every selected node but the root carries its drafted node's token; False otherwise,
+        also for a selection or parent out of range. ``None`` when the compiled helper is not
+        in use (the caller checks in Python). Raises ValueError for arrays of other shapes.
+    """
+    helper = native
+    if helper is None:
+        return None
+    return bool(helper.tree_matches(next_token, next_sibling, draft, select, parents, tokens))
 
 
 def repair_rows(

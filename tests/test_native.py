@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 import portable_spec.native as native_module
 from portable_spec.native import native
+from portable_spec.topology import validate_links
 
 compiled_only = pytest.mark.skipif(native is None, reason="portable_spec._native is not built here")
 
@@ -235,3 +238,142 @@ def test_the_compiled_builds_keep_nothing(smollm2):
     finally:
         tracemalloc.stop()
     assert grown < 16 * 1024, f"{grown} bytes kept by 6000 builds"
+
+
+def _verify_parents(next_token: list[int], next_sibling: list[int]) -> list[int] | None:
+    """Each verify node's parent by the links (-1: none), None when the links are malformed
+    (the library's Python validator): one node at a time."""
+    try:
+        validate_links(np.array([next_token]), np.array([next_sibling]))
+    except ValueError:
+        return None
+    above = [-1] * len(next_token)
+    for p, child in enumerate(next_token):
+        while child != -1:
+            above[child] = p
+            child = next_sibling[child]
+    return above
+
+
+def _same_tree(nt, ns, draft, select, parents, tokens) -> bool:
+    """The reference of native.tree_matches for one request, node by node."""
+    n = len(parents)
+    above = _verify_parents(nt, ns)
+    if above is None or any(not -1 <= s < n for s in select):
+        return False
+    position = {s: j for j, s in enumerate(select) if s >= 0}
+    for j, s in enumerate(select):
+        mine = -1
+        if s >= 0:
+            if not -1 <= parents[s] < n:
+                return False
+            mine = position.get(parents[s], -1) if parents[s] >= 0 else -1
+            if j > 0 and tokens[s] != draft[j]:
+                return False
+        if mine != above[j]:
+            return False
+    return True
+
+
+def _drafted_case(rng: np.random.Generator) -> tuple[list[int], ...]:
+    """A drafted tree (parents, tokens), a selection of it closed under parents (the root
+    first, padding after) and the verify tree's links and tokens as an engine builds them
+    (children in a random order)."""
+    n = int(rng.integers(1, 14))
+    parents = [-1] + [int(rng.integers(-1, v)) for v in range(1, n)]  # -1: a padding slot
+    tokens = [0] + [int(rng.integers(0, 6)) for _ in range(1, n)]
+    reachable = [0]
+    for v in range(1, n):
+        if parents[v] in reachable:
+            reachable.append(v)
+    chosen = [0]
+    for v in reachable[1:]:
+        if parents[v] in chosen and rng.random() < 0.7:
+            chosen.append(v)
+    select = chosen + [-1] * int(rng.integers(0, 3))
+    m = len(select)
+    position = {s: j for j, s in enumerate(select) if s >= 0}
+    kids: dict[int, list[int]] = {}
+    for j, s in enumerate(select):
+        if s > 0:
+            kids.setdefault(position[parents[s]], []).append(j)
+    nt, ns = [-1] * m, [-1] * m
+    for p, children in kids.items():
+        order = [int(c) for c in rng.permutation(children)]
+        nt[p] = order[0]
+        for a, b in itertools.pairwise(order):
+            ns[a] = b
+    draft = [tokens[s] if s > 0 else int(rng.integers(0, 6)) for s in select]
+    return nt, ns, draft, select, parents, tokens
+
+
+@compiled_only
+def test_tree_matches_against_a_reference():
+    """Random drafted trees, selections and the verify trees built from them, then spoilt one
+    way at a time (a token, a parent link, a malformed link, a selection out of range, a
+    padding node linked in): the compiled check agrees with a node-by-node reference on
+    each, batches of them included (true only when every request is)."""
+    rng = np.random.default_rng(11)
+    outcomes = set()
+    batch_cases = []
+    for trial in range(600):
+        nt, ns, draft, select, parents, tokens = _drafted_case(rng)
+        m = len(select)
+        spoil = trial % 7
+        if spoil == 1 and m > 1:
+            j = int(rng.integers(1, m))
+            draft[j] += 1
+        elif spoil == 2 and m > 2:
+            a, b = (int(x) for x in rng.choice(np.arange(m), 2, replace=False))
+            nt[a], nt[b] = nt[b], nt[a]
+        elif spoil == 3:
+            nt[int(rng.integers(0, m))] = int(rng.integers(-2, m + 2))
+        elif spoil == 4:
+            select[int(rng.integers(0, m))] = int(rng.integers(-2, len(parents) + 2))
+        elif spoil == 5 and m > 1 and -1 in select:
+            j = select.index(-1)
+            ns[j], nt[0] = nt[0], j  # padding made the root's first child
+        elif spoil == 6:
+            v = int(rng.integers(0, len(parents)))
+            parents[v] = int(rng.integers(-3, len(parents) + 3))
+        want = _same_tree(nt, ns, draft, select, parents, tokens)
+        arrays = [np.array([x], dtype=np.int64) for x in (nt, ns, draft, select, parents, tokens)]
+        assert native.tree_matches(*arrays) is want, (trial, nt, ns, draft, select, parents)
+        outcomes.add((spoil, want))
+        batch_cases.append((arrays, want))
+    assert {want for _, want in outcomes} == {True, False}
+    assert sum(1 for spoil, want in outcomes if not want) >= 6  # each spoiling seen to fail
+    for start in range(0, 60, 4):  # batches of four trees of one shape: padded to one width
+        group = batch_cases[start : start + 4]
+        m = max(a[0].shape[1] for a, _ in group)
+        n = max(a[4].shape[1] for a, _ in group)
+        padded = []
+        for arrays, _ in group:
+            nt, ns, draft, select, parents, tokens = (a[0].tolist() for a in arrays)
+            extra_m, extra_n = m - len(nt), n - len(parents)
+            padded.append(
+                [
+                    nt + [-1] * extra_m,
+                    ns + [-1] * extra_m,
+                    draft + [0] * extra_m,
+                    select + [-1] * extra_m,
+                    parents + [-1] * extra_n,
+                    tokens + [0] * extra_n,
+                ]
+            )
+        want = all(_same_tree(*case) for case in padded)
+        stacked = [np.array([case[i] for case in padded], dtype=np.int64) for i in range(6)]
+        assert native.tree_matches(*stacked) is want
+
+
+@compiled_only
+def test_tree_matches_rejects_bad_buffers():
+    one = np.array([[-1]], dtype=np.int64)
+    with pytest.raises(TypeError, match="select must be a 2-D int64 array"):
+        native.tree_matches(one, one, one, one.astype(np.int32), one, one)
+    with pytest.raises(ValueError, match="tree_matches"):
+        native.tree_matches(one, np.array([[-1, -1]], np.int64), one, one, one, one)
+    with pytest.raises(ValueError, match="need a root"):
+        empty = np.zeros((1, 0), np.int64)
+        native.tree_matches(one, one, one, one, empty, empty)
+    assert native.tree_matches(one, one, one, np.zeros((1, 1), np.int64), one, one) is True

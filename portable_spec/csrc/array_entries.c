@@ -37,6 +37,63 @@ static PyObject *links_valid(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* tree_matches(next_token, next_sibling, draft, select, parents, tokens) -> bool: whether the
+   verify trees ([batch, m] links, tokens, selection) are the selected subtrees of the drafted
+   trees ([batch, n] parents, tokens): links checked, then ps_same_tree per request. */
+static PyObject *tree_matches(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *names[6] = {"next_token", "next_sibling", "draft", "select", "parents",
+                                   "tokens"};
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5]))
+        return NULL;
+    Array a[6] = {0};
+    PyObject *result = NULL;
+    void *scratch = NULL;
+    for (int i = 0; i < 6; i++)
+        if (array_get(objs[i], &a[i], 0, 'i', 8, 2, names[i]) != 0) goto done;
+    Py_ssize_t batch = a[0].view.shape[0], m = a[0].view.shape[1], n = a[4].view.shape[1];
+    for (int i = 0; i < 6; i++) {
+        Py_ssize_t width = i < 4 ? m : n;
+        if (a[i].view.shape[0] != batch || a[i].view.shape[1] != width) {
+            PyErr_SetString(PyExc_ValueError,
+                            "tree_matches: links, draft and select [batch, m], parents and "
+                            "tokens [batch, n]");
+            goto done;
+        }
+    }
+    if (m < 1 || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "tree_matches: trees need a root");
+        goto done;
+    }
+    size_t bytes = (size_t)m * (2 * sizeof(int32_t) + 1 + sizeof(int64_t)) +
+                   (size_t)n * sizeof(int64_t) + sizeof(int64_t);
+    if ((scratch = PyMem_Malloc(bytes)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *above = (int64_t *)scratch, *position = above + m;
+    int32_t *indegree = (int32_t *)(position + n), *queue = indegree + m;
+    uint8_t *seen = (uint8_t *)(queue + m);
+    const int64_t *p[6];
+    for (int i = 0; i < 6; i++) p[i] = (const int64_t *)a[i].view.buf;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < batch && ok; r++) {
+        const int64_t *nt = p[0] + r * m, *ns = p[1] + r * m;
+        ok = ps_links_valid(nt, ns, m, indegree, queue, seen) &&
+             ps_same_tree(nt, ns, p[2] + r * m, p[3] + r * m, m, p[4] + r * n, p[5] + r * n, n,
+                          above, position);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyMem_Free(scratch);
+    for (int i = 0; i < 6; i++) array_release(&a[i]);
+    return result;
+}
+
 /* The arguments of repair_rows and keep_rows, held. */
 typedef struct {
     Array rows, nt, ns, dt, stops;

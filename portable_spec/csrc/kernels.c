@@ -85,6 +85,33 @@ int ps_links_valid(const int64_t *nt, const int64_t *ns, ptrdiff_t n, int32_t *i
     return covered == unreachable;
 }
 
+int ps_same_tree(const int64_t *nt, const int64_t *ns, const int64_t *draft,
+                 const int64_t *select, ptrdiff_t m, const int64_t *parents,
+                 const int64_t *tokens, ptrdiff_t n, int64_t *above, int64_t *position) {
+    for (ptrdiff_t j = 0; j < m; j++) above[j] = -1;
+    for (ptrdiff_t p = 0; p < m; p++) { /* each sibling list once: at most one link into a node */
+        ptrdiff_t steps = 0;
+        for (int64_t c = nt[p]; c >= 0 && c < m && steps < m; c = ns[c], steps++) above[c] = p;
+    }
+    for (ptrdiff_t v = 0; v < n; v++) position[v] = -1;
+    for (ptrdiff_t j = 0; j < m; j++) {
+        int64_t s = select[j];
+        if (s < -1 || s >= n) return 0;
+        if (s >= 0) position[s] = j;
+    }
+    for (ptrdiff_t j = 0; j < m; j++) {
+        int64_t s = select[j], mine = -1;
+        if (s >= 0) {
+            int64_t p = parents[s];
+            if (p < -1 || p >= n) return 0;
+            if (p >= 0) mine = position[p];
+            if (j > 0 && tokens[s] != draft[j]) return 0;
+        }
+        if (mine != above[j]) return 0;
+    }
+    return 1;
+}
+
 ptrdiff_t ps_decide_rows(const int32_t *rows, ptrdiff_t n, ptrdiff_t words, const int64_t *first,
                          const int64_t *next, const int64_t *token, int64_t limit,
                          const int64_t *stop, ptrdiff_t nstops, int root_ok, int32_t *queue,

@@ -28,6 +28,18 @@
 int ps_links_valid(const int64_t *next_token, const int64_t *next_sibling, ptrdiff_t n,
                    int32_t *indegree, int32_t *queue, uint8_t *seen);
 
+/* 1 when one request's verify tree, m nodes given by well-formed links (ps_links_valid) and
+   their tokens `draft`, is the subtree `select` picks of a drafted tree of n nodes (`parents`,
+   `tokens`), else 0. select[j] is the drafted node at verify node j (-1: padding). Each verify
+   node's parent by the links (-1: none; siblings share their first sibling's parent) must be
+   the verify node that selects its drafted node's parent (-1 for padding, for a drafted root
+   or padding slot, for a parent nobody selects; the last j wins when two select one node),
+   and every selected node but the root carries its drafted node's token. A select or parent
+   out of range gives 0. Scratch: `above` m int64, `position` n int64. */
+int ps_same_tree(const int64_t *next_token, const int64_t *next_sibling, const int64_t *draft,
+                 const int64_t *select, ptrdiff_t m, const int64_t *parents,
+                 const int64_t *tokens, ptrdiff_t n, int64_t *above, int64_t *position);
+
 /* Which nodes of one walked request keep their row (the rule above), breadth first from the
    root. keep[0..n) gets 0/1; valid (NULL: none) gets the accepted nodes (the root included);
    returns how many are kept; *checked counts the children of kept nodes, *rejected those

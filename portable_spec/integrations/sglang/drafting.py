@@ -134,12 +134,16 @@ def _matches(step: Drafted, plan: Any, arrays: list[np.ndarray], vocab_size: int
         return False
     next_token, next_sibling, draft = arrays
     select = step.select
-    if draft.shape != select.shape:
+    if not draft.shape == next_token.shape == next_sibling.shape == select.shape:
         return False
+    parents, tokens = step.session.tree()
+    arrays64 = [np.ascontiguousarray(a, dtype=np.int64) for a in (*arrays, select)]
+    same = native.tree_matches(*arrays64, parents, tokens)  # one compiled pass
+    if same is not None:
+        return same
     verified = _parents(next_token, next_sibling)
     if verified is None:  # malformed links: the verify build names the problem
         return False
-    parents, tokens = step.session.tree()
     batch = select.shape[0]
     rows = np.arange(batch)[:, None]
     chosen = select >= 0
