@@ -251,6 +251,19 @@ def links_valid(next_token: np.ndarray, next_sibling: np.ndarray) -> bool:
     return helper is not None and bool(helper.links_valid(next_token, next_sibling))
 
 
+def selection_valid(select: np.ndarray, parents: np.ndarray, n: int) -> bool:
+    """Whether every request's selection is known to be a verify tree's, in one compiled pass
+    (GIL released): ``select`` C-contiguous int64 ``[batch, m]`` with ``select[b, 0] == 0``,
+    each entry a node below ``n`` or -1, no node twice, every selected node's parent
+    (``parents``: C-contiguous int64 ``[batch, capacity]``, ``0 < n <= capacity``) selected.
+
+    ``False`` means "not known": the selection is not one, or no compiled helper is available;
+    the caller then runs its Python checks, which raise naming the problem.
+    """
+    helper = native
+    return helper is not None and bool(helper.selection_valid(select, parents, n))
+
+
 def tree_matches(
     next_token: np.ndarray,
     next_sibling: np.ndarray,

@@ -377,3 +377,53 @@ def test_tree_matches_rejects_bad_buffers():
         empty = np.zeros((1, 0), np.int64)
         native.tree_matches(one, one, one, one, empty, empty)
     assert native.tree_matches(one, one, one, np.zeros((1, 1), np.int64), one, one) is True
+
+
+def _selection_ok(select: list[int], parents: list[int], n: int) -> bool:
+    """The reference of native.selection_valid for one request, node by node."""
+    if not select or select[0] != 0 or any(not -1 <= s < n for s in select):
+        return False
+    chosen = [s for s in select if s >= 0]
+    if len(set(chosen)) != len(chosen):
+        return False
+    return all(parents[s] < 0 or parents[s] in chosen for s in chosen[1:])
+
+
+@compiled_only
+def test_selection_valid_against_a_reference():
+    """Random drafted trees and selections of them, closed under parents or spoilt (a node
+    twice, one out of range, a parent left out, the root missing), one request at a time
+    and in batches: the compiled check agrees with a node-by-node reference."""
+    rng = np.random.default_rng(5)
+    seen = set()
+    for trial in range(800):
+        batch = 1 + trial % 3
+        capacity = int(rng.integers(1, 12))
+        n = int(rng.integers(1, capacity + 1))
+        m = int(rng.integers(1, 8))
+        parents = np.full((batch, capacity), -1, np.int64)
+        select = np.full((batch, m), -1, np.int64)
+        for b in range(batch):
+            parents[b, 1:n] = [int(rng.integers(-1, v)) for v in range(1, n)]
+            chosen = [0]
+            for v in range(1, n):
+                if parents[b, v] in chosen and len(chosen) < m and rng.random() < 0.6:
+                    chosen.append(v)
+            select[b, : len(chosen)] = chosen
+            spoil = int(rng.integers(0, 6))
+            if spoil == 1 and m > 1:
+                select[b, int(rng.integers(1, m))] = select[b, int(rng.integers(0, m))]
+            elif spoil == 2:
+                select[b, int(rng.integers(0, m))] = int(rng.integers(-3, n + 3))
+            elif spoil == 3 and len(chosen) > 1:
+                select[b, int(rng.integers(1, len(chosen)))] = -1
+            elif spoil == 4:
+                select[b, 0] = int(rng.integers(-1, n))
+        want = all(_selection_ok(list(select[b]), list(parents[b]), n) for b in range(batch))
+        assert native.selection_valid(select, parents, n) is want, (select, parents, n)
+        seen.add(want)
+    assert seen == {True, False}
+    with pytest.raises(ValueError, match="selection_valid"):
+        native.selection_valid(select, parents, capacity + 1)
+    with pytest.raises(TypeError, match="select must be a 2-D int64 array"):
+        native.selection_valid(select.astype(np.int32), parents, 1)

@@ -94,6 +94,44 @@ done:
     return result;
 }
 
+/* selection_valid(select, parents, n) -> bool: whether every request's selection ([batch, m])
+   of its drafted tree ([batch, capacity] parents, nodes below n) is a verify tree's. */
+static PyObject *selection_valid(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *sel_obj, *par_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &sel_obj, &par_obj, &n)) return NULL;
+    Array sel = {0}, par = {0};
+    PyObject *result = NULL;
+    uint8_t *count = NULL;
+    if (array_get(sel_obj, &sel, 0, 'i', 8, 2, "select") != 0 ||
+        array_get(par_obj, &par, 0, 'i', 8, 2, "parents") != 0)
+        goto done;
+    Py_ssize_t batch = sel.view.shape[0], m = sel.view.shape[1], cap = par.view.shape[1];
+    if (par.view.shape[0] != batch || n < 1 || n > cap || m < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "selection_valid: select [batch, m], parents [batch, capacity], "
+                        "0 < n <= capacity");
+        goto done;
+    }
+    if ((count = PyMem_Malloc((size_t)n)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *s = (const int64_t *)sel.view.buf, *p = (const int64_t *)par.view.buf;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < batch && ok; r++)
+        ok = ps_selection_valid(s + r * m, m, p + r * cap, n, count);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyMem_Free(count);
+    array_release(&par);
+    array_release(&sel);
+    return result;
+}
+
 /* The arguments of repair_rows and keep_rows, held. */
 typedef struct {
     Array rows, nt, ns, dt, stops;

@@ -112,6 +112,25 @@ int ps_same_tree(const int64_t *nt, const int64_t *ns, const int64_t *draft,
     return 1;
 }
 
+int ps_selection_valid(const int64_t *select, ptrdiff_t m, const int64_t *parents, ptrdiff_t n,
+                       uint8_t *count) {
+    if (m < 1 || select[0] != 0) return 0;
+    memset(count, 0, (size_t)n);
+    for (ptrdiff_t j = 0; j < m; j++) {
+        int64_t s = select[j];
+        if (s < -1 || s >= n) return 0;
+        if (s >= 0 && count[s]++) return 0;
+    }
+    for (ptrdiff_t j = 1; j < m; j++) {
+        int64_t s = select[j];
+        if (s < 0) continue;
+        int64_t p = parents[s];
+        if (p >= n) return 0;
+        if (p >= 0 && !count[p]) return 0;
+    }
+    return 1;
+}
+
 ptrdiff_t ps_decide_rows(const int32_t *rows, ptrdiff_t n, ptrdiff_t words, const int64_t *first,
                          const int64_t *next, const int64_t *token, int64_t limit,
                          const int64_t *stop, ptrdiff_t nstops, int root_ok, int32_t *queue,

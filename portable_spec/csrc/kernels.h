@@ -40,6 +40,12 @@ int ps_same_tree(const int64_t *next_token, const int64_t *next_sibling, const i
                  const int64_t *select, ptrdiff_t m, const int64_t *parents,
                  const int64_t *tokens, ptrdiff_t n, int64_t *above, int64_t *position);
 
+/* 1 when one request's selection of m drafted nodes is a verify tree's: select[0] == 0 (the
+   root), every entry a node below n or -1 (padding), no node twice, the parent (`parents`,
+   the drafted tree's) of every selected node selected too; else 0. Scratch: `count` n bytes. */
+int ps_selection_valid(const int64_t *select, ptrdiff_t m, const int64_t *parents, ptrdiff_t n,
+                       uint8_t *count);
+
 /* Which nodes of one walked request keep their row (the rule above), breadth first from the
    root. keep[0..n) gets 0/1; valid (NULL: none) gets the accepted nodes (the root included);
    returns how many are kept; *checked counts the children of kept nodes, *rejected those

@@ -7,8 +7,8 @@
  *   xgrammar_abi.c   xgrammar's matcher methods through tvm-ffi's C ABI
  *   env.c            the library's tables the builds read (configure), the walk hook
  *   walk.c           the walk runner: the one place that calls xgrammar without the GIL
- *   array_entries.c  links_valid, tree_matches, repair_rows, keep_rows, take_rows,
- *                    repair_chains, chain_live
+ *   array_entries.c  links_valid, tree_matches, selection_valid, repair_rows, keep_rows,
+ *                    take_rows, repair_chains, chain_live
  *   walk_entries.c   xgrammar_traverse, walk_chains, walk_trees
  *   grow.c           xgrammar_grow: a draft tree's new nodes, the matcher moved step by step
  *   pack.c           draft lists packed into a walk; pack_chains
@@ -67,6 +67,8 @@ static PyMethodDef methods[] = {
      "set_walk_hook(hook or None): called with the GIL right before each walk drops it."},
     {"links_valid", links_valid, METH_VARARGS,
      "links_valid(next_token, next_sibling) -> bool (GIL released)."},
+    {"selection_valid", selection_valid, METH_VARARGS,
+     "selection_valid(select, parents, n) -> bool (GIL released)."},
     {"tree_matches", tree_matches, METH_VARARGS,
      "tree_matches(next_token, next_sibling, draft, select, parents, tokens) -> bool "
      "(GIL released)."},
