@@ -54,7 +54,7 @@ cd "$tree"
   tests/test_native.py tests/test_threads.py tests/test_xgrammar_ffi.py tests/test_small_trees.py \
   tests/test_chain_lists.py tests/test_vllm_fast.py tests/test_vllm_guidance.py \
   tests/test_llguidance_paths.py tests/test_native_bounds.py tests/test_forced_drafts.py \
-  tests/test_drafting.py \
+  tests/test_drafting.py tests/test_sglang_drafted_tree.py \
   tests/test_llguidance_vocabulary.py::test_compiled_equals_fallback_with_drafts_past_the_vocabulary \
   tests/test_llguidance_vocabulary.py::test_many_chains_with_padding_drafts_leave_every_matcher_usable \
   "$@"
