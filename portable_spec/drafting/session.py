@@ -122,8 +122,9 @@ class DraftSession:
         self._layouts: dict[tuple[Any, ...], MaskLayout | None] = {}
         # masks in host memory: carved from lent blocks, {words: (block, rows used)}
         self._outbox: dict[int, tuple[np.ndarray, int]] = {}
-        self._host_masks = self._backend.host_mask(np.empty((0, 1), np.int32), self._placement)
-        self._host_masks = self._host_masks is not None
+        # whether masks stay in host memory: asked once, of an empty mask
+        empty = np.empty((0, 1), np.int32)
+        self._host_masks = self._backend.host_mask(empty, self._placement) is not None
         self._padding_slots = False  # whether a level added so far had a padding slot
         self._closed = False
         self._nodes = 1
