@@ -31,9 +31,10 @@ never which.
   drafted verify nodes the grammar refuses (drafting off runs in the drafting switch's shadow
   mode: sglang's own drafts, followed and counted by the plugin). With drafting on, per
   step: the host time of the draft rows (the wall time of the session calls that return
-  them: opening it, its root rows, each level's rows for the draft head) against the verify
-  mask of the same tree built three ways: from the draft rows (what the plugin does: the
-  last level's rows, then a gather, timed from sglang's call of the verify build), the
+  them: opening or restarting it, its root rows, each level's rows for the draft head)
+  against the verify mask of the same tree built three ways: from the draft rows (what the
+  plugin does: the last level's rows, then a gather, timed from sglang's call of the verify
+  build), the
   library's own build of the tree (``portable_spec.build_grammar_vocab_mask``, what the plugin
   does without drafting) and sglang's ``generate_token_bitmask``; medians over the steps.
 
@@ -141,11 +142,12 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
     stage, rows_of = drafting_module.stage, drafting_module.drafted_rows
 
     # the draft rows' host time: the wall time of the session calls that return them (opening
-    # it, the root rows, each level the draft head runs on), summed per draft, taken when the
-    # draft is staged for its verify
+    # or restarting it, the root rows, each level the draft head runs on), summed per draft,
+    # taken when the draft is staged for its verify
     spent = [0.0]
     session_type = ps.DraftSession
-    originals = {name: getattr(session_type, name) for name in ("__init__", "root_mask", "extend")}
+    names = ("__init__", "restart", "root_mask", "extend")
+    originals = {name: getattr(session_type, name) for name in names}
 
     def timed(name: str) -> Any:
         original = originals[name]

@@ -1024,3 +1024,116 @@ def test_levels_of_changing_width_match_per_node_replay(smollm2, tok):
     assert matcher_prints(matchers, words, PROBE) == before
     accepted = [v for (b, v), (ok, _) in oracle.items() if b == 0 and v > 0 and ok]
     assert len(accepted) > 10  # the trees reach past their first levels
+
+
+def test_restart_drafts_each_step_as_a_new_session_would(smollm2, tok):
+    """One session restarted step after step while the engine commits tokens on its matchers
+    (xgrammar matchers, walked by the compiled helper; protocol matchers with and without
+    ``fork()``; an unconstrained request; a grammar that ends): after every restart the root
+    rows, each level's rows and the verify mask and validity equal each node's path replayed
+    on a fresh matcher after the tokens committed so far, and masks returned before a restart
+    are unchanged by it."""
+    size, words, eos = smollm2.size, smollm2.words, smollm2.eos
+    schema, builtin = smollm2.grammars["json_schema"], smollm2.grammars["builtin_json"]
+    starts = [
+        (schema, tok.encode('{"')),
+        (builtin, []),
+        None,
+        (schema, tok.encode('{"name": "')),
+        (builtin, tok.encode("[1, ")),
+    ]
+    committed: list[list[int]] = [[] for _ in starts]
+
+    def fresh(b):
+        compiled, prefix = starts[b]
+        return Request(compiled, prefix + committed[b]).fresh()
+
+    matchers = [fresh(0), fresh(1), None]
+    matchers.append(ProtocolMatcher(fresh(3), vocab_size=size))
+    matchers.append(ForkingProtocolMatcher(fresh(4), vocab_size=size))
+    batch = len(starts)
+    rng = np.random.default_rng(4646)
+    ended = np.full(words, -1, np.int32)
+
+    def oracle(b, parent, token, v):  # (valid, row) of node v by replay
+        if v > 0 and parent[v] == -1:
+            return False, ended
+        if starts[b] is None:
+            return True, ended
+        accepted, m = replay(lambda: fresh(b), root_path(parent, v), token, size, words)
+        live = accepted and not m.is_terminated()
+        return accepted, fill_row(m, words, size) if live else ended
+
+    def allowed(row):
+        return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:size])
+
+    kept: list[tuple[np.ndarray, np.ndarray]] = []  # (a returned mask, its copy)
+    s = ps.DraftSession(matchers, size, max_nodes=2)
+    try:
+        for step in range(5):
+            if step:
+                for b in (0, 1, 3, 4):  # the engine commits on the session's own matchers
+                    if b == 1 and step <= 2:  # this request's grammar ends
+                        picks = tok.encode("{}") if step == 1 else [eos]
+                    elif fresh(b).is_terminated():
+                        continue
+                    else:
+                        picks = []
+                        m = fresh(b)
+                        for _ in range(int(rng.integers(1, 4))):
+                            options = [t for t in allowed(fill_row(m, words, size)) if t != eos]
+                            picks.append(int(rng.choice(options)))
+                            assert m.accept_token(picks[-1])
+                    for t in picks:
+                        assert matchers[b].accept_token(t)
+                    committed[b] += picks
+                s.restart()
+            assert (s.nodes, s.levels) == (1, 0)
+            parent = [[-1] for _ in range(batch)]
+            token = [[0] for _ in range(batch)]
+            root = np.asarray(s.root_mask())
+            kept.append((root, root.copy()))
+            want = np.stack([oracle(b, parent[b], token[b], 0)[1] for b in range(batch)])
+            np.testing.assert_array_equal(root, want, err_msg=f"step {step}")
+            for k in (3, 4):
+                first = s.nodes
+                P = np.full((batch, k), -1, np.int64)
+                T = np.zeros((batch, k), np.int64)
+                for b in range(batch):
+                    for j in range(k):
+                        if rng.random() < 0.15:
+                            continue  # padding
+                        p = int(rng.integers(0, first))
+                        if p and parent[b][p] == -1:
+                            p = 0
+                        options = allowed(oracle(b, parent[b], token[b], p)[1])
+                        if rng.random() < 0.2 or not options.size:
+                            t = int(rng.integers(0, size))  # mostly refused
+                        else:
+                            t = int(rng.choice(options))
+                        P[b, j], T[b, j] = p, t
+                for b in range(batch):
+                    parent[b] += P[b].tolist()
+                    token[b] += np.where(P[b] >= 0, T[b], 0).tolist()
+                rows = np.asarray(s.extend(P, T))
+                kept.append((rows, rows.copy()))
+                want = np.stack(
+                    [oracle(b, parent[b], token[b], first + j)[1] for b in range(batch)
+                     for j in range(k)]
+                )  # fmt: skip
+                np.testing.assert_array_equal(rows, want, err_msg=f"step {step}, level {first}")
+            mask, valid = s.verify_mask(return_valid=True)
+            mask = np.asarray(mask).reshape(batch, s.nodes, words)
+            for b in range(batch):
+                for v in range(s.nodes):
+                    want_valid, want_row = oracle(b, parent[b], token[b], v)
+                    np.testing.assert_array_equal(mask[b, v], want_row, err_msg=f"{step} {b} {v}")
+                    assert valid[b, v] == want_valid, (step, b, v)
+            for got, copy in kept:
+                np.testing.assert_array_equal(got, copy)
+        assert fresh(1).is_terminated()
+        assert sum(len(c) for c in committed) > 10
+    finally:
+        s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.restart()

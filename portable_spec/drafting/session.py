@@ -134,8 +134,14 @@ class DraftSession:
         self._capacity = 0
         self._store: HostBuffer | None = None
         self._grow(int(max_nodes))
+        self._infos = infos
         self._states: list[NodeStates | None] = [None] * self.batch
         self._limited: list[int] = []  # requests whose engine bounds a tree's depth
+        self._start_root()
+
+    def _start_root(self) -> None:
+        """The root column: each constrained request's draft states and root row from its
+        matcher's current state. Closes the session when a matcher fails."""
         started = time.perf_counter()
         rows = self._rows
         rows[:, 0] = ALL_ALLOWED
@@ -144,6 +150,7 @@ class DraftSession:
         self._depth[:, 0] = 0
         self._valid[:, 0] = True
         self._live[:, 0] = True
+        kinds, matchers, infos = self._kinds, self._grammars, self._infos
         try:
             for b in self._constrained:
                 states = node_states(kinds[b], matchers[b], infos[b], self.words)  # type: ignore[arg-type]
@@ -167,6 +174,40 @@ class DraftSession:
             self.close()
             raise
         self.timings["grammar_s"] += time.perf_counter() - started
+
+    def restart(self) -> None:
+        """Begin the next draft of the same requests: every node but the root is dropped and
+        the root rows are computed again from the matchers' current state (moved, since the
+        last draft, over the tokens the engine committed).
+
+        What depends only on the requests is kept: their classification, the host storage,
+        the planned mask layouts, the compiled walk's arguments. So an engine that drafts
+        the same batch step after step restarts one session instead of opening a new one
+        each step. The matchers must be the same objects the session was opened with, in a
+        state a new session would accept; a request whose grammar has ended gets an
+        all-allowed root row, as in a new session. Masks already returned stay valid.
+
+        Raises:
+            RuntimeError: the session is closed.
+            ValueError: a matcher that a build started with ``wait=False`` still walks
+                (nothing changed: the session keeps its tree).
+            MatcherError: a matcher raised while the root rows were filled (the session is
+                then closed).
+
+        Blocks for the root rows' host work; never waits for a device.
+        """
+        self._check_open()
+        check_not_pending(self._grammars)
+        self._pending.clear()
+        for states in self._states:
+            if states is not None:
+                states.close()
+        self._states = [None] * self.batch
+        self._limited = []
+        self._padding_slots = False
+        self._nodes = 1
+        self._levels = 0
+        self._start_root()
 
     def _start_walked(self) -> bool:
         """The walked requests' root rows and live flags by the compiled walk (their matchers

@@ -150,6 +150,8 @@ def test_eagle_draft_steps(backend):
     assert off["wasted"] > 0, off  # the head does draft refused tokens without the masks
     stats = on["stats"]
     assert stats["draft_steps"] == EAGLE_STEPS
+    # the batch stays the same: every draft after the first restarts the last one's session
+    assert stats["draft_sessions_restarted"] == EAGLE_STEPS - 1
     assert stats["draft_verify_masks"] == EAGLE_STEPS and stats["draft_mismatches"] == 0
     assert stats["draft_rows"] > 0
     assert off["stats"]["draft_steps"] == 0
@@ -225,6 +227,7 @@ def test_ngram_forced_drafts(backend):
             assert output == document[: len(output)]
     stats = on["stats"]
     assert stats["draft_steps"] == NGRAM_STEPS and stats["draft_verify_masks"] == NGRAM_STEPS
+    assert stats["draft_sessions_restarted"] > 0
     assert stats["draft_mismatches"] == 0
     assert stats["ngram_nodes_replaced"] > 0 and stats["forced_tokens_accepted"] > 0
     assert off["stats"]["draft_steps"] == 0 and off["stats"]["ngram_nodes_replaced"] == 0

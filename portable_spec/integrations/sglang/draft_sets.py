@@ -65,6 +65,7 @@ def stop() -> None:
         waiter.deactivate()
         patches.uninstall()
     drafting.clear()
+    drafting.forget_parked()
     eagle_draft.forget_roots()
     ngram.forget()
 

@@ -9,6 +9,11 @@ tree's mask from the rows drafting computed (:func:`drafted_rows`: one gather, n
 walk), after checking that the tree sglang verifies is the tree that was drafted (node by
 node: parent and token). Any other step, or a step whose tree differs, is built as before.
 
+A session is not thrown away after its verify build: it is parked (:func:`park`), and the next
+draft of the same requests restarts it (:func:`open_session`, ``DraftSession.restart``)
+instead of opening a new one: the batch's classification, storage and layouts are the same
+from step to step.
+
 ``PORTABLE_SPEC_SGLANG_DRAFTING`` (:mod:`.state`, read when the plugin installs):
 
 * unset, empty, ``1``, ``on``: drafting on wherever the plugin is on; in the plugin's shadow
@@ -28,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
+import portable_spec as ps
 from portable_spec import native
 from portable_spec.integrations.sglang.internals import logger
 from portable_spec.integrations.sglang.state import STATS, drafting_mode
 from portable_spec.topology import validate_links
 
-__all__ = ["Drafted", "clear", "drafted_rows", "mode", "stage"]
+__all__ = ["Drafted", "clear", "drafted_rows", "mode", "open_session", "park", "stage"]
 
 
 def mode() -> str:
@@ -84,6 +90,73 @@ def clear() -> None:
     stage(None)
 
 
+# .opened: (session, key) of the session this thread opened last (the key: what it was opened
+# for); .parked: the same pair, kept after its verify build for the next draft
+_sessions = threading.local()
+
+
+def open_session(
+    matchers: list[Any], vocab: int, *, device: Any, d2t: Any = None, max_nodes: int
+) -> Any:
+    """A :class:`portable_spec.DraftSession` of ``matchers`` (the step's, per request): the
+    session parked by this thread's last verify build, restarted, when it was opened for the
+    same matcher objects in the same order, vocabulary, device, ``d2t`` (the same array) and
+    size; else a new one (the parked one is closed). Raises as the session does."""
+    key = (tuple(matchers), vocab, device, d2t, max_nodes)
+    kept = getattr(_sessions, "parked", None)
+    _sessions.parked = None
+    session = None
+    if kept is not None:
+        if _same(kept[1], key):
+            session = kept[0]
+            try:
+                session.restart()
+            except BaseException:  # closed by the restart, or closed here: nothing kept
+                session.close()
+                raise
+            STATS.add("draft_sessions_restarted")
+        else:
+            kept[0].close()
+    if session is None:
+        session = ps.DraftSession(matchers, vocab, device=device, d2t=d2t, max_nodes=max_nodes)
+    _sessions.opened = (session, key)
+    return session
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two keys of :func:`open_session` name the same requests and session."""
+    (m1, vocab1, device1, d2t1, n1), (m2, vocab2, device2, d2t2, n2) = a, b
+    return (
+        vocab1 == vocab2 and n1 == n2 and d2t1 is d2t2 and device1 == device2
+        and len(m1) == len(m2) and all(x is y for x, y in zip(m1, m2, strict=True))
+    )  # fmt: skip
+
+
+def park(session: Any) -> None:
+    """Keep ``session`` (its step built) for this thread's next draft when it is the session
+    this thread opened last by :func:`open_session`; else close it. A session parked before
+    is closed."""
+    opened = getattr(_sessions, "opened", None)
+    _sessions.opened = None
+    old = getattr(_sessions, "parked", None)
+    _sessions.parked = None
+    if old is not None and old[0] is not session:
+        old[0].close()
+    if opened is not None and opened[0] is session:
+        _sessions.parked = opened
+    else:
+        session.close()
+
+
+def forget_parked() -> None:
+    """Close the session kept in this thread, if any (the plugin is uninstalled)."""
+    kept = getattr(_sessions, "parked", None)
+    _sessions.parked = None
+    _sessions.opened = None
+    if kept is not None:
+        kept[0].close()
+
+
 def drafted_rows(
     plan: Any, arrays: list[np.ndarray], vocab_size: int, device: Any
 ) -> tuple[Any, np.ndarray] | None:
@@ -101,6 +174,7 @@ def drafted_rows(
     step = take()
     if step is None:
         return None
+    built = False
     try:
         if not _matches(step, plan, arrays, vocab_size):
             STATS.add("draft_mismatches")
@@ -114,9 +188,13 @@ def drafted_rows(
             return None
         if str(mask.device) != str(device):  # a session opened elsewhere than the verify
             mask = mask.to(device, non_blocking=True)
+        built = True
         return mask, valid
     finally:
-        step.close()
+        if built:
+            park(step.session)  # the next draft of these requests restarts it
+        else:
+            step.close()
 
 
 def _matches(step: Drafted, plan: Any, arrays: list[np.ndarray], vocab_size: int) -> bool:

@@ -517,7 +517,7 @@ def _start(
     topk, steps = int(worker.topk), int(worker.speculative_num_steps)
     # the root, the nodes each draft-head call runs on, the verify tree's other candidates
     most = 1 + topk * max(steps - 1, 0) + int(worker.speculative_num_draft_tokens)
-    session = ps.DraftSession(
+    session = drafting.open_session(
         plan.matchers, vocab, device=torch.device(spec.topk_index.device), d2t=_d2t(worker),
         max_nodes=most,
     )  # fmt: skip

@@ -137,7 +137,7 @@ def _rewrite(
     tokens = np.asarray(req_drafts, dtype=np.int64).reshape(bs, n)
     parents = _parents_from_mask(np.asarray(mask).reshape(bs, n, n))
     device = internals.ngram_device(worker)
-    session = ps.DraftSession(plan.matchers, vocab, device=device, max_nodes=2 * n + 1)
+    session = drafting.open_session(plan.matchers, vocab, device=device, max_nodes=2 * n + 1)
     try:
         ids = _add_tree(session, parents, tokens)
         valid = session.valid()

@@ -54,11 +54,13 @@ COUNTERS = (
     "rows_differing",
     "fills",
     "fills_built",
-    # grammar-aware drafting (.drafting): draft loops and NGRAM steps run in a session, the
-    # rows computed for the EAGLE head's logits, verify masks gathered from a session (and
-    # trees found not to be the drafted one), drafted verify nodes the grammar refuses; NGRAM
-    # slots given a forced token, and forced tokens verify accepted
+    # grammar-aware drafting (.drafting): draft loops and NGRAM steps run in a session (of them,
+    # in the last step's session restarted), the rows computed for the EAGLE head's logits,
+    # verify masks gathered from a session (and trees found not to be the drafted one),
+    # drafted verify nodes the grammar refuses; NGRAM slots given a forced token, and forced
+    # tokens verify accepted
     "draft_steps",
+    "draft_sessions_restarted",
     "draft_rows",
     "draft_verify_masks",
     "draft_mismatches",
