@@ -138,6 +138,18 @@ class Backend(ABC):
             "CPU included)"
         )
 
+    def host_view(self, array: Any) -> np.ndarray | None:
+        """A numpy view of ``array`` when it lives in host memory and its memory holds its
+        values (a CPU tensor: nothing to stage, no copy to wait for); ``None`` otherwise
+        (device arrays, arrays that may still be computing, anything :meth:`to_host`
+        refuses). Never blocks, never raises for this framework's arrays."""
+        try:
+            if self.device_of(array) is not None:
+                return None
+            return self.to_host(array)
+        except (TypeError, ValueError, AttributeError):
+            return None
+
     # -- mask layout ---------------------------------------------------------------------------
     def mask_layout(
         self,

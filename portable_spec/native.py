@@ -101,6 +101,7 @@ __all__ = [
     "forced_xgrammar",
     "grow_xgrammar",
     "keep_rows",
+    "level_xgrammar",
     "links_valid",
     "llguidance_masks",
     "llguidance_walk",
@@ -129,7 +130,7 @@ logger = logging.getLogger("portable_spec")
 Links = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: the entry points' layout these sources expect of the compiled module
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 
 def _load() -> ModuleType | None:
@@ -570,6 +571,54 @@ def grow_xgrammar(
     if done is None:
         return None
     return int(done[2]), done[3], int(done[0]), int(done[1])
+
+
+def level_xgrammar(
+    matchers: list[Any],
+    requests: np.ndarray,
+    limits: np.ndarray,
+    rows: np.ndarray,
+    parents: np.ndarray,
+    tokens: np.ndarray,
+    valid: np.ndarray,
+    live: np.ndarray,
+    first: int,
+    level_parents: np.ndarray,
+    level_tokens: np.ndarray,
+    out: np.ndarray | None,
+) -> tuple[int, bool, int, int, int, str | None] | None:
+    """A level of a :class:`portable_spec.DraftSession` whose constrained requests are all
+    walked by :func:`grow_xgrammar`, in one call: checked, written into the tree, decided, and
+    its rows copied out.
+
+    Args:
+        matchers, requests, limits, rows, parents, tokens, valid, live: as for
+            :func:`grow_xgrammar` (``parents``, ``tokens``, ``valid``, ``live`` are written for
+            the level's nodes). Requests not listed in ``requests`` are unconstrained.
+        first: the level's first node id (>= 1; ``first + k <= capacity``).
+        level_parents, level_tokens: int64 ``[batch, k]`` C-contiguous: each new node's parent
+            (an earlier node that is not a padding slot, or -1: a padding slot) and token (any
+            value; a padding slot's is stored as 0). Copied before they are read.
+        out: int32 ``[batch * k, words]`` C-contiguous, or None: where the level's rows are
+            copied (row ``b * k + j``: node ``first + j`` of request ``b``).
+
+    Returns:
+        ``(status, padded, checked, rejected, failed, message)``: ``status`` 0 when done
+        (``failed``, ``message``, ``checked``, ``rejected`` as :func:`grow_xgrammar` says; with
+        ``failed >= 0`` nothing is copied); 1 when a parent is malformed: nothing written
+        (the caller names it); 2 when the walk declined: the columns and the unconstrained
+        requests' rows written, the listed requests' rows not, nothing copied. ``padded``:
+        whether the level has a padding slot. ``None`` when the helper is not in use: nothing
+        written. Blocks until done.
+    """
+    helper = native
+    if helper is None or helper is not _bound_helper[0]:
+        return None
+    status, padded, checked, refused, failed, message = helper.xgrammar_level(
+        matchers, requests, limits, rows, parents, tokens, valid, live, first,
+        level_parents, level_tokens, out,
+    )  # fmt: skip
+    return int(status), bool(padded), int(checked), int(refused), int(failed), message
 
 
 def forced_xgrammar() -> bool:

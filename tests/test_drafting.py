@@ -378,22 +378,39 @@ def test_matcher_error_names_the_request_and_keeps_the_session(smollm2):
         ([[3, 0]], [[1, 2]], ValueError, r"parents\[0, 0\] = 3 is a padding slot"),
         ([[0.0, 0.0]], [[1, 2]], TypeError, "parents must have an integer dtype"),
         ([[0, 0]], [[1, 2, 3]], ValueError, "same shape"),
-        ([[0], [0]], [[1], [2]], ValueError, r"\[batch, k\] with batch = 1"),
+        ([[0], [0]], [[1], [2]], ValueError, r"\[batch, k\] with batch = 2"),
         (np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64), ValueError, "no columns"),
         ([[[0]]], [[[1]]], ValueError, r"\[batch, k\]"),
+        # int64 host arrays: xgrammar sessions take them in one compiled call
+        (np.array([[0, 4]]), np.array([[1, 2]]), ValueError, r"parents\[0, 1\] = 4 is not a"),
+        (np.array([[0, 3]]), np.array([[1, 2]]), ValueError, r"parents\[0, 1\] = 3 is a pad"),
+        (np.array([[-3, 0]]), np.array([[1, 2]]), ValueError, r"parents\[0, 0\] = -3 is not"),
     ],
 )
+@pytest.mark.parametrize("kind", ["protocol", "xgrammar"])
 def test_malformed_levels_are_refused_before_anything_moves(
-    smollm2, parents, tokens, error, message
+    smollm2, parents, tokens, error, message, kind
 ):
-    m = ProtocolMatcher(xgr.GrammarMatcher(smollm2.grammars["json_schema"]))
-    with ps.DraftSession([m], smollm2.size) as s:
-        s.extend([[0, 0, -1]], [[107, 18, 0]])  # nodes 1, 2 and padding slot 3
-        calls = len(m.calls)
+    """Refused before any matcher moves and before anything is written: the session goes on
+    as if the call had not been made (its verify mask the build's)."""
+    inner = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    m = ProtocolMatcher(inner) if kind == "protocol" else inner
+    with ps.DraftSession([m, None], smollm2.size) as s:
+        s.extend(np.array([[0, 0, -1]] * 2), np.array([[107, 18, 0]] * 2))  # 1, 2, padding 3
+        calls = len(m.calls) if kind == "protocol" else None
+        before = s.tree()
         with pytest.raises(error, match=message):
-            s.extend(parents, tokens)
-        assert len(m.calls) == calls and m.depth == 0 and s.nodes == 4
-        s.extend([[1]], [[18]])  # still usable
+            s.extend(*(np.concatenate([a, a]) if isinstance(a, np.ndarray) else a * 2
+                       for a in (parents, tokens)))  # fmt: skip
+        assert s.nodes == 4
+        for got, want in zip(s.tree(), before, strict=True):
+            np.testing.assert_array_equal(got, want)
+        if kind == "protocol":
+            assert len(m.calls) == calls and m.depth == 0
+        s.extend(np.array([[1, 0]] * 2), np.array([[18, 107]] * 2))  # still usable
+        mask = s.verify_mask()
+        want = ps.build_grammar_vocab_mask([m, None], _tree(s.tree()), smollm2.size)
+        np.testing.assert_array_equal(mask, want)
 
 
 def test_bad_selections_and_arguments_are_refused(smollm2):
@@ -479,7 +496,17 @@ def _spy_walks(monkeypatch):
         wholes.append(tree.shape)
         return build(matchers, tree, *args, **kwargs)
 
+    level = native.level_xgrammar
+
+    def counted_level(*args):  # a level in one call: its walk is a grow of the level's nodes
+        done = level(*args)
+        if done is not None and done[0] == 0:
+            first = args[8]
+            grows.append((first, first + args[9].shape[1], done[2]))
+        return done
+
     monkeypatch.setattr(native, "grow_xgrammar", counted_grow)
+    monkeypatch.setattr(native, "level_xgrammar", counted_level)
     monkeypatch.setattr(session_module, "build_host_bitmask", counted_build)
     return grows, wholes
 
@@ -620,12 +647,32 @@ def test_grown_levels_match_per_node_replay(smollm2, tok, monkeypatch, shape):
     assert not valid[3, 1:].any()  # nothing follows a terminated grammar
 
 
-def test_xgrammar_levels_without_the_compiled_steps_walk_the_whole_tree(smollm2, tok, monkeypatch):
+@pytest.mark.parametrize("how", ["no one-call level", "the level's walk declines"])
+def test_xgrammar_levels_without_the_compiled_steps_walk_the_whole_tree(
+    smollm2, tok, monkeypatch, how
+):
     """Where the helper cannot move xgrammar's matchers itself, a level's rows come from one
     compiled build of the tree so far (levels staged without masks from one build together):
-    the same rows."""
+    the same rows. Also when the one-call level finds it cannot walk after it wrote the
+    level's columns (its matchers unknown to the helper's table during the call)."""
     grows, wholes = _spy_walks(monkeypatch)
     monkeypatch.setattr(native, "grow_xgrammar", lambda *args: None)
+    if how == "no one-call level":
+        monkeypatch.setattr(native, "level_xgrammar", lambda *args: None)
+    else:
+        level, facts = native.level_xgrammar, native._tables[0]
+
+        def declining(*args):
+            hidden = {id(m): facts.pop(id(m)) for m in args[0] if id(m) in facts}
+            assert hidden
+            try:
+                done = level(*args)
+            finally:
+                facts.update(hidden)
+            assert done[0] == 2
+            return done
+
+        monkeypatch.setattr(native, "level_xgrammar", declining)
     grammar = smollm2.grammars["json_schema"]
     matchers = [xgr.GrammarMatcher(grammar), None, xgr.GrammarMatcher(grammar)]
     toks = tok.encode('{"name": "Al')
@@ -1089,6 +1136,11 @@ def test_restart_drafts_each_step_as_a_new_session_would(smollm2, tok):
                     committed[b] += picks
                 s.restart()
             assert (s.nodes, s.levels) == (1, 0)
+            forced = s.forced(max_tokens=8)  # from the restarted states, at the new root
+            for b in (0, 4):
+                m = fresh(b)
+                want = [] if m.is_terminated() else [int(t) for t in m.find_jump_forward_tokens()]
+                assert forced[b] == want[:8], (step, b)
             parent = [[-1] for _ in range(batch)]
             token = [[0] for _ in range(batch)]
             root = np.asarray(s.root_mask())
@@ -1137,3 +1189,66 @@ def test_restart_drafts_each_step_as_a_new_session_would(smollm2, tok):
         s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.restart()
+
+
+@pytest.mark.skipif(native.native is None, reason="portable_spec._native is not built here")
+def test_the_one_call_level_refuses_malformed_buffers_before_writing(smollm2, tok):
+    """``native.level_xgrammar`` (a DraftSession level in one call): malformed arguments raise
+    and a malformed parent is reported, nothing written either way; a good call writes the
+    level's columns, decides the xgrammar request's nodes as a fresh matcher does, makes the
+    unconstrained request's nodes valid and all-allowed, and copies the rows out in order."""
+    m = xgr.GrammarMatcher(smollm2.grammars["json_schema"])
+    size = smollm2.size
+    with ps.DraftSession([m, None], size):  # the library probes the matcher
+        words, cap = smollm2.words, 8
+        rows = np.zeros((2, cap, words), np.int32)
+        rows[:, 0] = -1
+        m.fill_next_token_bitmask(rows[0], 0)
+        parents = np.full((2, cap), -1, np.int64)
+        tokens = np.zeros((2, cap), np.int64)
+        valid = np.zeros((2, cap), bool)
+        live = np.zeros((2, cap), bool)
+        valid[:, 0] = live[:, 0] = True
+        brace = tok.encode("{")[0]
+        args = {
+            "matchers": [m], "requests": np.array([0]), "limits": np.array([size]),
+            "rows": rows, "parents": parents, "tokens": tokens, "valid": valid, "live": live,
+            "first": 1, "level_parents": np.array([[0, 0], [0, -1]]),
+            "level_tokens": np.array([[brace, 7], [9, 11]]),
+            "out": np.zeros((4, words), np.int32),
+        }  # fmt: skip
+        saved = [a.copy() for a in (rows, parents, tokens, valid, live)]
+
+        def untouched():
+            for got, want in zip((rows, parents, tokens, valid, live), saved, strict=True):
+                np.testing.assert_array_equal(got, want)
+
+        bad = [
+            ({"level_parents": np.array([[0, 0], [0, -1]], np.int32)}, TypeError),
+            ({"level_tokens": np.array([[brace], [9]])}, ValueError),
+            ({"out": np.zeros((3, words), np.int32)}, ValueError),
+            ({"out": np.zeros((4, words), np.int64)}, TypeError),
+            ({"first": cap - 1}, ValueError),
+            ({"first": 0}, ValueError),
+            ({"requests": np.array([2])}, ValueError),
+            ({"valid": np.zeros((2, cap - 1), bool)}, ValueError),
+        ]
+        for change, error in bad:
+            with pytest.raises(error):
+                native.level_xgrammar(**{**args, **change})
+            untouched()
+        for wrong in ([[0, 1], [0, -1]], [[0, -2], [0, -1]]):  # node 1 not yet; -2
+            done = native.level_xgrammar(**{**args, "level_parents": np.array(wrong)})
+            assert done[0] == 1
+            untouched()
+        status, padded, checked, refused, failed, _ = native.level_xgrammar(**args)
+        assert (status, padded, failed) == (0, True, -1) and (checked, refused) == (2, 1)
+        assert parents[:, 1:3].tolist() == [[0, 0], [0, -1]]
+        assert tokens[:, 1:3].tolist() == [[brace, 7], [9, 0]]
+        assert valid[:, 1:3].tolist() == [[True, False], [True, False]]
+        assert live[:, 1:3].tolist() == [[True, False], [True, False]]
+        fork = m.fork()
+        assert fork.accept_token(brace)
+        np.testing.assert_array_equal(rows[0, 1], fill_row(fork, words, size))
+        assert (rows[0, 2] == -1).all() and (rows[1, 1:3] == -1).all()
+        np.testing.assert_array_equal(args["out"], rows[:, 1:3].reshape(4, words))

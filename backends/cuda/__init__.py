@@ -86,6 +86,14 @@ class TorchBackend(Backend):
             )
         return array.detach().numpy()
 
+    def host_view(self, array: Any) -> np.ndarray | None:
+        # torch's numpy() refuses what to_host refuses (meta and sparse tensors, negative or
+        # conjugate bits) and tensors that require grad; one call instead of five checks
+        try:
+            return array.numpy() if array.device.type == "cpu" else None
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+
     def acquire_host_mask(self, rows: int, words: int, device: Any = None) -> HostBuffer:
         """Pinned for an accelerator ``device``, pageable for the CPU (``None``)."""
         pool = self.host_pool if resolve_device(device).type == "cpu" else self.pool

@@ -359,3 +359,123 @@ done:
     for (int i = 0; i < 7; i++) array_release(&a[i]);
     return result;
 }
+
+/* xgrammar_level: a DraftSession level in one call. The level's parents and tokens ([batch, k]
+   int64, copied first) are checked against the tree so far (each parent an earlier node, or -1
+   for a padding slot; never a padding slot itself), written into the tree's columns first ..
+   first + k - 1 (a padding slot's token as 0), and decided: the listed requests' by
+   xgrammar_grow's walk, every other request's as an unconstrained one's (valid and live unless
+   padding, rows all-allowed). With `out` ([batch * k, words] int32, or None) the level's rows
+   are then copied there, node j of request b in row b * k + j.
+
+   Returns (status, padded, checked, rejected, failed, message): status 0 done (failed, message:
+   xgrammar_grow's); 1 a parent is malformed: nothing written (the caller names it); 2 the walk
+   declined: the columns and the unconstrained requests' rows written, the listed requests'
+   rows not, nothing copied. padded: whether the level has a padding slot. */
+static PyObject *xgrammar_level(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *matchers, *objs[7], *level_objs[2], *out_obj;
+    Py_ssize_t first;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnOOO", &matchers, &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4], &objs[5], &objs[6], &first, &level_objs[0],
+                          &level_objs[1], &out_obj))
+        return NULL;
+    Array a[10] = {0};
+    int64_t *copies = NULL;
+    uint8_t *listed = NULL;
+    PyObject *result = NULL, *grown = NULL;
+    if (array_get(objs[0], &a[0], 0, 'i', 8, 1, "requests") != 0 ||
+        array_get(objs[2], &a[2], 1, 'i', 4, 3, "rows") != 0 ||
+        array_get(objs[3], &a[3], 1, 'i', 8, 2, "parents") != 0 ||
+        array_get(objs[4], &a[4], 1, 'i', 8, 2, "tokens") != 0 ||
+        array_get(level_objs[0], &a[7], 0, 'i', 8, 2, "level parents") != 0 ||
+        array_get(level_objs[1], &a[8], 0, 'i', 8, 2, "level tokens") != 0)
+        goto done;
+    Py_ssize_t count = a[0].view.shape[0], batch = a[2].view.shape[0];
+    Py_ssize_t capacity = a[2].view.shape[1], words = a[2].view.shape[2];
+    if (grow_flags(objs[5], &a[5], batch, capacity, "valid") != 0 ||
+        grow_flags(objs[6], &a[6], batch, capacity, "live") != 0)
+        goto done;
+    Py_ssize_t k = a[7].view.shape[1];
+    if (a[3].view.shape[0] != batch || a[3].view.shape[1] != capacity ||
+        a[4].view.shape[0] != batch || a[4].view.shape[1] != capacity ||
+        a[7].view.shape[0] != batch || a[8].view.shape[0] != batch || a[8].view.shape[1] != k ||
+        k < 1 || first < 1 || first > capacity - k || first + k > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_level: arrays or node range malformed");
+        goto done;
+    }
+    if (out_obj != Py_None) {
+        if (array_get(out_obj, &a[9], 1, 'i', 4, 2, "out") != 0) goto done;
+        if (a[9].view.shape[0] != batch * k || a[9].view.shape[1] != words) {
+            PyErr_SetString(PyExc_ValueError, "xgrammar_level: out must be [batch * k, words]");
+            goto done;
+        }
+    }
+    listed = PyMem_Calloc((size_t)batch, 1);
+    copies = PyMem_Malloc((size_t)(batch * k) * 2 * sizeof(int64_t));
+    if (listed == NULL || copies == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(copies, a[7].view.buf, (size_t)(batch * k) * sizeof(int64_t));
+    memcpy(copies + batch * k, a[8].view.buf, (size_t)(batch * k) * sizeof(int64_t));
+    const int64_t *requests = a[0].view.buf, *level_parents = copies;
+    const int64_t *level_tokens = copies + batch * k;
+    for (Py_ssize_t c = 0; c < count; c++) {
+        if (requests[c] < 0 || requests[c] >= batch) {
+            PyErr_SetString(PyExc_ValueError, "xgrammar_level: a request out of range");
+            goto done;
+        }
+        listed[requests[c]] = 1;
+    }
+    int64_t *parents = a[3].view.buf, *tokens = a[4].view.buf;
+    int padded = 0;
+    for (Py_ssize_t i = 0; i < batch * k; i++) { /* checked before anything is written */
+        int64_t p = level_parents[i];
+        if (p < -1 || p >= first || (p > 0 && parents[(i / k) * capacity + p] < 0)) {
+            result = Py_BuildValue("(iiiiiO)", 1, 0, 0, 0, -1, Py_None);
+            goto done;
+        }
+        padded |= p < 0;
+    }
+    int32_t *rows = a[2].view.buf;
+    uint8_t *valid = a[5].view.buf, *live = a[6].view.buf;
+    for (Py_ssize_t b = 0; b < batch; b++) {
+        for (Py_ssize_t j = 0; j < k; j++) {
+            int64_t p = level_parents[b * k + j];
+            parents[b * capacity + first + j] = p;
+            tokens[b * capacity + first + j] = p < 0 ? 0 : level_tokens[b * k + j];
+            if (!listed[b]) valid[b * capacity + first + j] = live[b * capacity + first + j] = p >= 0;
+        }
+        if (!listed[b]) ps_fill_rows(rows + b * capacity * words, words, first, first + k, NULL, 0);
+    }
+    PyObject *grow_args = Py_BuildValue("(OOOOOOOOnn)", matchers, objs[0], objs[1], objs[2],
+                                        objs[3], objs[4], objs[5], objs[6], first, first + k);
+    if (grow_args == NULL) goto done;
+    grown = xgrammar_grow(NULL, grow_args);
+    Py_DECREF(grow_args);
+    if (grown == NULL) goto done;
+    if (grown == Py_None) {
+        result = Py_BuildValue("(iiiiiO)", 2, padded, 0, 0, -1, Py_None);
+        goto done;
+    }
+    /* (checked, rejected, failed, message) */
+    Py_ssize_t failed = PyLong_AsSsize_t(PyTuple_GET_ITEM(grown, 2));
+    if (failed == -1 && PyErr_Occurred()) goto done;
+    if (failed < 0 && a[9].held) {
+        int32_t *out = a[9].view.buf;
+        size_t span = (size_t)(k * words) * sizeof(int32_t);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < batch; b++)
+            memcpy(out + b * k * words, rows + (b * capacity + first) * words, span);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_BuildValue("(iiOOnO)", 0, padded, PyTuple_GET_ITEM(grown, 0),
+                           PyTuple_GET_ITEM(grown, 1), failed, PyTuple_GET_ITEM(grown, 3));
+done:
+    Py_XDECREF(grown);
+    PyMem_Free(listed);
+    PyMem_Free(copies);
+    for (int i = 0; i < 10; i++) array_release(&a[i]);
+    return result;
+}

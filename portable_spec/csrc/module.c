@@ -10,7 +10,8 @@
  *   array_entries.c  links_valid, tree_matches, selection_valid, repair_rows, keep_rows,
  *                    take_rows, repair_chains, chain_live
  *   walk_entries.c   xgrammar_traverse, walk_chains, walk_trees
- *   grow.c           xgrammar_grow: a draft tree's new nodes, the matcher moved step by step
+ *   grow.c           xgrammar_grow: a draft tree's new nodes, the matcher moved step by step;
+ *                    xgrammar_level: a draft level checked, written, grown and copied out
  *   pack.c           draft lists packed into a walk; pack_chains
  *   masks.c          chain_masks, span_masks, tree_masks
  *   vllm.c           vllm_chains, read from vLLM's objects (the attribute names handed in)
@@ -58,7 +59,7 @@
 #include "guidance.c"
 #include "forced.c"
 
-#define ABI_VERSION 10
+#define ABI_VERSION 11
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -106,6 +107,10 @@ static PyMethodDef methods[] = {
     {"xgrammar_grow", xgrammar_grow, METH_VARARGS,
      "xgrammar_grow(matchers, requests, limits, rows, parents, tokens, valid, live, start, end) "
      "-> (checked, rejected, failed, message) or None (GIL released)."},
+    {"xgrammar_level", xgrammar_level, METH_VARARGS,
+     "xgrammar_level(matchers, requests, limits, rows, parents, tokens, valid, live, first, "
+     "level_parents, level_tokens, out) -> (status, padded, checked, rejected, failed, "
+     "message) (GIL released to walk)."},
     {"xgrammar_traverse", xgrammar_traverse, METH_VARARGS,
      "xgrammar_traverse(matcher, next_token, next_sibling, draft, rows) -> bool or None (GIL "
      "released)."},

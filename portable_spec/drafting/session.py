@@ -18,6 +18,7 @@ from portable_spec.drafting.levels import check_depths, check_parents, node_stat
 from portable_spec.drafting.trees import (
     StagedColumns,
     check_selection,
+    host_view,
     links_from_parents,
     selection_tree,
 )
@@ -31,6 +32,8 @@ from portable_spec.pending import check_not_pending
 from portable_spec.tree import GrammarTree, host_array
 
 __all__ = ["DraftSession", "forced_tokens"]
+
+_GENERAL = object()  # a level the one-call path leaves to the general one (nothing done)
 
 # The session's host copy of every node's row, reused from session to session (a fresh
 # multi-megabyte block per step costs page faults).
@@ -115,6 +118,9 @@ class DraftSession:
         self._walked_matchers: list[Any] = []
         self._unconstrained = [b for b, kind in enumerate(kinds) if kind == NONE]
         self._others = [b for b in range(self.batch) if kinds[b] != XGRAMMAR]  # not walked
+        # a level in one compiled call (checked, written, walked, copied out) while every
+        # constrained request is walked; off for good once the helper is not in use
+        self._one_call = bool(self._walked) and not self._forked
         self._batch_rows = np.arange(self.batch)[:, None]
         self._limits = np.zeros(self.batch, dtype=np.int64)
         for b in self._constrained:
@@ -139,20 +145,27 @@ class DraftSession:
         self._limited: list[int] = []  # requests whose engine bounds a tree's depth
         self._start_root()
 
-    def _start_root(self) -> None:
+    def _start_root(self, *, again: bool = False) -> None:
         """The root column: each constrained request's draft states and root row from its
-        matcher's current state. Closes the session when a matcher fails."""
+        matcher's current state (``again``: the column was set up by an earlier draft, which
+        left every column-0 entry as it was but the constrained requests' rows and live
+        flags). Closes the session when a matcher fails."""
         started = time.perf_counter()
         rows = self._rows
-        rows[:, 0] = ALL_ALLOWED
-        self._parents[:, 0] = -1
-        self._tokens[:, 0] = 0
-        self._depth[:, 0] = 0
-        self._valid[:, 0] = True
-        self._live[:, 0] = True
+        if again:
+            self._live[self._constrained, 0] = True
+        else:
+            rows[:, 0] = ALL_ALLOWED
+            self._parents[:, 0] = -1
+            self._tokens[:, 0] = 0
+            self._depth[:, 0] = 0
+            self._valid[:, 0] = True
+            self._live[:, 0] = True
         kinds, matchers, infos = self._kinds, self._grammars, self._infos
         try:
             for b in self._constrained:
+                if self._states[b] is not None:  # kept by restart(), emptied
+                    continue
                 states = node_states(kinds[b], matchers[b], infos[b], self.words)  # type: ignore[arg-type]
                 self._states[b] = states
                 if states.max_depth is not None:
@@ -199,15 +212,17 @@ class DraftSession:
         self._check_open()
         check_not_pending(self._grammars)
         self._pending.clear()
-        for states in self._states:
-            if states is not None:
-                states.close()
-        self._states = [None] * self.batch
-        self._limited = []
+        for b in self._constrained:
+            self._states[b].close()  # type: ignore[union-attr]
+            if self._kinds[b] != XGRAMMAR:  # made again from the matcher's current state
+                self._states[b] = None
+        # an xgrammar request's states (a fork per kept node, the matcher itself at the root)
+        # are empty once closed: kept for the next draft
+        self._limited = [b for b in self._limited if self._kinds[b] == XGRAMMAR]
         self._padding_slots = False
         self._nodes = 1
         self._levels = 0
-        self._start_root()
+        self._start_root(again=True)
 
     def _start_walked(self) -> bool:
         """The walked requests' root rows and live flags by the compiled walk (their matchers
@@ -224,10 +239,7 @@ class DraftSession:
         .. end - 1`` (node 0: the roots); False, nothing written, when the helper declines. A
         matcher's failure is raised as :class:`MatcherError` naming its request."""
         sub = self._walked
-        if self._walked_index is None:
-            self._walked_index = np.asarray(sub, dtype=np.int64)
-            self._walked_limits = self._limits[self._walked_index]
-            self._walked_matchers = [self._grammars[b] for b in sub]
+        self._walk_args()
         done = native.grow_xgrammar(
             self._walked_matchers,
             self._walked_index,
@@ -246,6 +258,13 @@ class DraftSession:
         if failed >= 0:
             raise MatcherError(sub[failed], RuntimeError(message))
         return True
+
+    def _walk_args(self) -> None:
+        """The compiled walk's arguments for the walked requests, made once."""
+        if self._walked_index is None:
+            self._walked_index = np.asarray(self._walked, dtype=np.int64)
+            self._walked_limits = self._limits[self._walked_index]
+            self._walked_matchers = [self._grammars[b] for b in self._walked]
 
     # -- storage ------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
@@ -347,9 +366,12 @@ class DraftSession:
         without blocking.
         """
         self._check_open()
-        return self._deliver(
-            self._rows[:, :1], self._layout(1, row_capacity, draft=True), draft=True
-        )
+        layout = self._layout(1, row_capacity, draft=True)
+        out = self._plain_host(layout, self.batch)
+        if out is None:
+            return self._deliver(self._rows[:, :1], layout, draft=True)
+        np.copyto(out, self._rows[:, 0])
+        return self._backend.host_mask(out, layout.placement)  # type: ignore[union-attr]
 
     def extend(
         self, parents: Any, tokens: Any, *, masks: bool = True, row_capacity: int | None = None
@@ -392,6 +414,13 @@ class DraftSession:
         New node ids: ``session.nodes`` (read before the call) up to ``session.nodes + k - 1``.
         """
         self._check_open()
+        one_call = masks and row_capacity is None and self._one_call
+        if one_call and not self._pending:  # host arrays: no staging at all
+            level = self._host_level(parents, tokens)
+            if level is not None:
+                rows = self._one_call_level(*level)
+                if rows is not _GENERAL:
+                    return rows
         staged = StagedColumns((parents, tokens), ("parents", "tokens"), self.batch, self._backend)
         if masks:  # the states fork or move the session's matchers: not while a build walks them
             check_not_pending(self._grammars)
@@ -403,9 +432,77 @@ class DraftSession:
             return None
         layout = self._layout(k, row_capacity, draft=True)  # refused before anything moves
         self._flush()
+        if one_call and self._one_call:
+            level = staged.resolve()
+            rows = self._one_call_level(*level)
+            if rows is not _GENERAL:
+                return rows
+            staged = StagedColumns(level, ("parents", "tokens"), self.batch)
         first = self._nodes
         self._add_level(first, staged)
         return self._deliver(self._rows[:, first : first + k], layout, draft=True)
+
+    def _host_level(self, parents: Any, tokens: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """A level's arrays as they are when both are C-contiguous int64 ``[batch, k]`` host
+        arrays (numpy, or the numpy view of a CPU tensor); else None (staged as usual)."""
+        out = []
+        for array in (parents, tokens):
+            if type(array) is not np.ndarray:
+                if isinstance(array, (list, tuple)) or not self._backend.owns(array):
+                    return None
+                array = host_view(self._backend, array)
+                if array is None:
+                    return None
+            if (
+                array.dtype != np.int64 or array.ndim != 2 or array.shape[0] != self.batch
+                or array.shape[1] < 1 or not array.flags.c_contiguous
+            ):  # fmt: skip
+                return None
+            out.append(array)
+        return (out[0], out[1]) if out[0].shape == out[1].shape else None
+
+    def _one_call_level(self, parents: np.ndarray, tokens: np.ndarray) -> Any:
+        """:meth:`extend` of a level (int64 ``[batch, k]`` arrays, no ``row_capacity``, nothing
+        pending) by :func:`portable_spec.native.level_xgrammar`: its checks, its columns, its
+        walk and the copy into the mask in one call. ``_GENERAL``, nothing done, when the
+        level needs the general path (a malformed parent, which it names; no helper)."""
+        check_not_pending(self._grammars)
+        first, k = self._nodes, parents.shape[1]
+        layout = self._layout(k, None, draft=True)
+        t0 = time.perf_counter()
+        self._grow(first + k)
+        self._walk_args()
+        out = self._plain_host(layout, self.batch * k)
+        done = native.level_xgrammar(
+            self._walked_matchers, self._walked_index, self._walked_limits,  # type: ignore[arg-type]
+            self._rows, self._parents, self._tokens, self._valid, self._live, first,
+            parents, tokens, out,
+        )  # fmt: skip
+        if done is None:
+            self._one_call = False
+            return _GENERAL
+        status, padded, _, _, failed, message = done
+        if status == 1:
+            return _GENERAL
+        try:
+            if failed >= 0:
+                raise MatcherError(self._walked[failed], RuntimeError(message))
+            if status == 2:  # the compiled walk declined: the whole tree walked instead
+                self._walk_whole(first, first + k)
+                out = None
+        except BaseException:
+            for states in self._states:
+                if states is not None:
+                    states.discard(first)
+            raise
+        self._padding_slots = self._padding_slots or padded
+        self._nodes = first + k
+        self._levels += 1
+        self.timings["levels"] += 1
+        self.timings["grammar_s"] += time.perf_counter() - t0
+        if out is None:
+            return self._deliver(self._rows[:, first : first + k], layout, draft=True)
+        return self._backend.host_mask(out, layout.placement)  # type: ignore[union-attr]
 
     def _flush(self) -> None:
         """Compute the rows of levels added with ``masks=False`` (the walked requests' rows of
@@ -755,6 +852,18 @@ class DraftSession:
             uploaded, _ = deliver(self._backend, layout, words, build)
         self.timings["upload_s"] += time.perf_counter() - t0
         return uploaded
+
+    def _plain_host(self, layout: MaskLayout | None, rows: int) -> np.ndarray | None:
+        """Where a mask of ``rows`` target-vocabulary rows goes when it is the host array
+        itself, its rows in order (host masks, no ``d2t``, nothing to arrange): carved, to be
+        filled and wrapped by the caller; None when it needs :meth:`_deliver`."""
+        if (
+            self._host_masks and self._draft is None and layout is not None
+            and not layout.collective and layout.host_rows == rows
+            and layout.blocks == ((0, rows, 0),) and bool(self._constrained)
+        ):  # fmt: skip
+            return self._carve(rows, self.words)
+        return None
 
     def _carve(self, rows: int, words: int) -> np.ndarray:
         """The next ``rows`` unused rows (int32 ``[rows, words]``, contents undefined) of this

@@ -51,7 +51,7 @@ class StagedColumns:
                 owner = backend if backend is not None and backend.owns(array) else None
                 if owner is None:
                     owner = backend_for(array)
-                host = _host_view(owner, array)
+                host = host_view(owner, array)
                 if host is not None:  # already in host memory (a CPU tensor): its numpy view
                     array, shape, owner = host, host.shape, None
                 else:
@@ -90,17 +90,12 @@ class StagedColumns:
         return [as_int64(host, self.shape) for host in hosts]
 
 
-def _host_view(owner: Backend, array: Any) -> np.ndarray | None:
+def host_view(owner: Backend, array: Any) -> np.ndarray | None:
     """``array``'s numpy view when it is an integer array its framework keeps in host memory
     (a CPU torch tensor): nothing to stage, no copy to wait for. None otherwise (device arrays,
     JAX arrays, which may still be computing, anything the framework's checks refuse: the
     staging path checks those and names what is wrong)."""
-    try:
-        if owner.device_of(array) is not None:
-            return None
-        host = owner.to_host(array)
-    except (TypeError, ValueError, AttributeError):
-        return None
+    host = owner.host_view(array)
     if type(host) is not np.ndarray or host.dtype.kind not in "iu":
         return None
     return host
