@@ -32,11 +32,12 @@ never which.
   mode: sglang's own drafts, followed and counted by the plugin). With drafting on, per
   step: the host time of the draft rows (the wall time of the session calls that return
   them: opening or restarting it, its root rows, each level's rows for the draft head)
-  against the verify mask of the same tree built three ways: from the draft rows (what the
-  plugin does: the last level's rows, then a gather, timed from sglang's call of the verify
-  build), the
-  library's own build of the tree (``portable_spec.build_grammar_vocab_mask``, what the plugin
-  does without drafting) and sglang's ``generate_token_bitmask``; medians over the steps.
+  against the verify mask of the same tree built three ways, in this order at sglang's call
+  of the verify build: the library's own build of the tree
+  (``portable_spec.build_grammar_vocab_mask``, what the plugin does without drafting: timed
+  first, as it runs then, after the step's forward), sglang's ``generate_token_bitmask``, and
+  from the draft rows (what the plugin does: the last level's rows, then a gather; the third
+  walk of the step's matchers, so with the warmest caches); medians over the steps.
 
 torch runs one thread; the library's pool its default. Tokens per step do not depend on the
 machine; the times do (medians of a shared machine: see the load printed).
@@ -147,7 +148,7 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
     spent = [0.0]
     session_type = ps.DraftSession
     names = ("__init__", "restart", "root_mask", "extend")
-    originals = {name: getattr(session_type, name) for name in names}
+    originals = {name: getattr(session_type, name) for name in names if hasattr(session_type, name)}
 
     def timed(name: str) -> Any:
         original = originals[name]
@@ -179,17 +180,20 @@ def eagle_run(backend: str, shape: tuple[int, int, int], drafting: bool, steps: 
     build = None
 
     def spy(*, reqs: Any, tree: Any, sampling_info: Any, device: Any, barrier: Any) -> Any:
-        """sglang's and the library's fresh builds of the tree, timed; then the plugin's."""
+        """The library's and sglang's fresh builds of the tree, timed; then the plugin's."""
         host = tree.resolve()
-        started = time.perf_counter()
-        _sgl.spec_utils().generate_token_bitmask(reqs, *host, vocab)
-        times["sglang"].append(time.perf_counter() - started)
         matchers = plan_step(reqs, vocab).matchers
         arrays = [t.numpy() for t in host]
+        # the library's build first: where the plugin runs it without drafting, with the
+        # caches as the step's forward left them (a build right after another build of the
+        # same tree finds the grammar's caches warm)
         started = time.perf_counter()
         ps.build_grammar_vocab_mask(matchers, ps.GrammarTree.from_host(*arrays), vocab,
                                     device=torch.device("cpu"))  # fmt: skip
         times["library"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        _sgl.spec_utils().generate_token_bitmask(reqs, *host, vocab)
+        times["sglang"].append(time.perf_counter() - started)
         return build(reqs=reqs, tree=tree, sampling_info=sampling_info, device=device,
                      barrier=barrier)  # fmt: skip
 
