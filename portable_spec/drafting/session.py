@@ -76,7 +76,8 @@ class DraftSession:
         MatcherError: a matcher raised while the root rows were filled.
 
     The constructor fills the root rows on the host (one fill per constrained request); it
-    never waits for a device. Use the session from one thread at a time.
+    never waits for a device. Use the session from one thread at a time. For the next draft
+    of the same requests, :meth:`restart` it rather than opening a new one.
     """
 
     def __init__(
