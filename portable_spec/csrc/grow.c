@@ -260,44 +260,49 @@ static int grow_flags(PyObject *obj, Array *a, Py_ssize_t batch, Py_ssize_t capa
     return 0;
 }
 
-static PyObject *xgrammar_grow(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *matchers, *objs[7];
-    Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOnn", &matchers, &objs[0], &objs[1], &objs[2],
-                          &objs[3], &objs[4], &objs[5], &objs[6], &start, &end))
-        return NULL;
-    if (!ffi_moves_bound()) Py_RETURN_NONE;
-    Array a[7] = {0};
-    Grow g;
-    memset(&g, 0, sizeof(g));
-    walk_init(&g.walk, WALK_TRAVERSE);
-    PyObject *result = NULL;
+/* Hold a grow's arrays (objs[0 .. 6]: requests, limits, rows, parents, tokens, valid, live,
+   into a[0 .. 6]; parents and tokens writable when `tree_writable`) and check their shapes,
+   the requests and the limits. 0, or -1 with an error set naming `who`. */
+static int grow_arrays(PyObject *const *objs, Array *a, int tree_writable, const char *who) {
     if (array_get(objs[0], &a[0], 0, 'i', 8, 1, "requests") != 0 ||
         array_get(objs[1], &a[1], 0, 'i', 8, 1, "limits") != 0 ||
         array_get(objs[2], &a[2], 1, 'i', 4, 3, "rows") != 0 ||
-        array_get(objs[3], &a[3], 0, 'i', 8, 2, "parents") != 0 ||
-        array_get(objs[4], &a[4], 0, 'i', 8, 2, "tokens") != 0)
-        goto done;
+        array_get(objs[3], &a[3], tree_writable, 'i', 8, 2, "parents") != 0 ||
+        array_get(objs[4], &a[4], tree_writable, 'i', 8, 2, "tokens") != 0)
+        return -1;
     Py_ssize_t count = a[0].view.shape[0], batch = a[2].view.shape[0];
     Py_ssize_t capacity = a[2].view.shape[1], words = a[2].view.shape[2];
     if (grow_flags(objs[5], &a[5], batch, capacity, "valid") != 0 ||
         grow_flags(objs[6], &a[6], batch, capacity, "live") != 0)
-        goto done;
+        return -1;
     if (a[1].view.shape[0] != count || a[3].view.shape[0] != batch ||
         a[3].view.shape[1] != capacity || a[4].view.shape[0] != batch ||
-        a[4].view.shape[1] != capacity || start < 0 || end < start || end > capacity ||
-        end > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "xgrammar_grow: arrays or node range malformed");
-        goto done;
+        a[4].view.shape[1] != capacity) {
+        PyErr_Format(PyExc_ValueError, "%s: arrays malformed", who);
+        return -1;
     }
     const int64_t *requests = a[0].view.buf, *limits = a[1].view.buf;
     for (Py_ssize_t c = 0; c < count; c++) {
         if (requests[c] < 0 || requests[c] >= batch || limits[c] < 0 || limits[c] > 32 * words) {
-            PyErr_SetString(PyExc_ValueError, "xgrammar_grow: a request or limit out of range");
-            goto done;
+            PyErr_Format(PyExc_ValueError, "%s: a request or limit out of range", who);
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Nodes start .. end - 1 decided over arrays held by grow_arrays (end <= capacity): the
+   outcome tuple (checked, rejected, failed, message), None when the walk declines (nothing
+   written), or NULL with an error set. */
+static PyObject *grow_held(PyObject *matchers, Array *a, Py_ssize_t start, Py_ssize_t end) {
+    if (!ffi_moves_bound()) Py_RETURN_NONE;
+    Py_ssize_t count = a[0].view.shape[0];
+    Py_ssize_t capacity = a[2].view.shape[1], words = a[2].view.shape[2];
+    const int64_t *requests = a[0].view.buf, *limits = a[1].view.buf;
+    Grow g;
+    memset(&g, 0, sizeof(g));
+    walk_init(&g.walk, WALK_TRAVERSE);
+    PyObject *result = NULL;
     if (walk_reserve(&g.walk, count) != 0) goto done;
     g.walk.words = words;
     Py_ssize_t n;
@@ -356,6 +361,26 @@ static PyObject *xgrammar_grow(PyObject *self, PyObject *args) {
     if (grow_run(&g) == 0) result = walk_outcome(&g.walk, NULL);
 done:
     grow_clear(&g);
+    return result;
+}
+
+static PyObject *xgrammar_grow(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *matchers, *objs[7];
+    Py_ssize_t start, end;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnn", &matchers, &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4], &objs[5], &objs[6], &start, &end))
+        return NULL;
+    if (!ffi_moves_bound()) Py_RETURN_NONE;
+    Array a[7] = {0};
+    PyObject *result = NULL;
+    if (grow_arrays(objs, a, 0, "xgrammar_grow") != 0) goto done;
+    if (start < 0 || end < start || end > a[2].view.shape[1] || end > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "xgrammar_grow: node range malformed");
+        goto done;
+    }
+    result = grow_held(matchers, a, start, end);
+done:
     for (int i = 0; i < 7; i++) array_release(&a[i]);
     return result;
 }
@@ -384,22 +409,14 @@ static PyObject *xgrammar_level(PyObject *self, PyObject *args) {
     int64_t *copies = NULL;
     uint8_t *listed = NULL;
     PyObject *result = NULL, *grown = NULL;
-    if (array_get(objs[0], &a[0], 0, 'i', 8, 1, "requests") != 0 ||
-        array_get(objs[2], &a[2], 1, 'i', 4, 3, "rows") != 0 ||
-        array_get(objs[3], &a[3], 1, 'i', 8, 2, "parents") != 0 ||
-        array_get(objs[4], &a[4], 1, 'i', 8, 2, "tokens") != 0 ||
+    if (grow_arrays(objs, a, 1, "xgrammar_level") != 0 ||
         array_get(level_objs[0], &a[7], 0, 'i', 8, 2, "level parents") != 0 ||
         array_get(level_objs[1], &a[8], 0, 'i', 8, 2, "level tokens") != 0)
         goto done;
     Py_ssize_t count = a[0].view.shape[0], batch = a[2].view.shape[0];
     Py_ssize_t capacity = a[2].view.shape[1], words = a[2].view.shape[2];
-    if (grow_flags(objs[5], &a[5], batch, capacity, "valid") != 0 ||
-        grow_flags(objs[6], &a[6], batch, capacity, "live") != 0)
-        goto done;
     Py_ssize_t k = a[7].view.shape[1];
-    if (a[3].view.shape[0] != batch || a[3].view.shape[1] != capacity ||
-        a[4].view.shape[0] != batch || a[4].view.shape[1] != capacity ||
-        a[7].view.shape[0] != batch || a[8].view.shape[0] != batch || a[8].view.shape[1] != k ||
+    if (a[7].view.shape[0] != batch || a[8].view.shape[0] != batch || a[8].view.shape[1] != k ||
         k < 1 || first < 1 || first > capacity - k || first + k > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "xgrammar_level: arrays or node range malformed");
         goto done;
@@ -421,13 +438,7 @@ static PyObject *xgrammar_level(PyObject *self, PyObject *args) {
     memcpy(copies + batch * k, a[8].view.buf, (size_t)(batch * k) * sizeof(int64_t));
     const int64_t *requests = a[0].view.buf, *level_parents = copies;
     const int64_t *level_tokens = copies + batch * k;
-    for (Py_ssize_t c = 0; c < count; c++) {
-        if (requests[c] < 0 || requests[c] >= batch) {
-            PyErr_SetString(PyExc_ValueError, "xgrammar_level: a request out of range");
-            goto done;
-        }
-        listed[requests[c]] = 1;
-    }
+    for (Py_ssize_t c = 0; c < count; c++) listed[requests[c]] = 1; /* in range: grow_arrays */
     int64_t *parents = a[3].view.buf, *tokens = a[4].view.buf;
     int padded = 0;
     for (Py_ssize_t i = 0; i < batch * k; i++) { /* checked before anything is written */
@@ -449,11 +460,7 @@ static PyObject *xgrammar_level(PyObject *self, PyObject *args) {
         }
         if (!listed[b]) ps_fill_rows(rows + b * capacity * words, words, first, first + k, NULL, 0);
     }
-    PyObject *grow_args = Py_BuildValue("(OOOOOOOOnn)", matchers, objs[0], objs[1], objs[2],
-                                        objs[3], objs[4], objs[5], objs[6], first, first + k);
-    if (grow_args == NULL) goto done;
-    grown = xgrammar_grow(NULL, grow_args);
-    Py_DECREF(grow_args);
+    grown = grow_held(matchers, a, first, first + k);
     if (grown == NULL) goto done;
     if (grown == Py_None) {
         result = Py_BuildValue("(iiiiiO)", 2, padded, 0, 0, -1, Py_None);
